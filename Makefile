@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make demo` and `make test` each create the in-repo
+# virtual environment (.venv) on first use and install tpdp-verify into it, editable.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	touch $(STAMP)
+
+# The gate exits 1 when it finds a divergence in torch: that is a result the demo shows,
+# not a failure of the demo. Usage (2) and infrastructure (3) errors still fail it.
+demo: $(STAMP)
+	$(BIN)/tpdp-verify gate --profile smoke; rc=$$?; test $$rc -eq 0 -o $$rc -eq 1
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_pool.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

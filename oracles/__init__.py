@@ -1,0 +1,1 @@
+"""Single-process oracles (the unsharded model on one device, plain DDP): see issue 4."""

@@ -1,0 +1,8 @@
+"""The conformance suite: every property tpdp-verify checks, in the order the gate runs them.
+
+Each property is documented in docs/properties.md.
+"""
+
+from tpdp_verify.properties.roundtrip import flatten_roundtrip
+
+ALL = (flatten_roundtrip,)

@@ -1,0 +1,89 @@
+"""Round trip: unflatten(flatten(t)) is t again.
+
+DDP and FSDP1 see a TP model's DTensor parameters only through ``flatten`` (the local
+shard they bucket and all-reduce) and give them back through ``unflatten``. If the pair
+loses anything (placements, an uneven global shape, whether the parameter trains), the
+model that DP trains is not the model the user built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpdp_verify.compare import Check, assert_checks
+from tpdp_verify.properties.strategies import TensorCase, tensor_cases
+from tpdp_verify.suite import tpdp_property
+
+
+def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
+    """On every rank: round-trip a DTensor parameter through the implementation."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from tpdp_verify.impl import load
+    from tpdp_verify.pool import device_mesh
+
+    impl = load(impl_name)
+    mesh = device_mesh(case.mesh_shape)
+    full = case.full()
+    param = nn.Parameter(distribute_tensor(full, mesh, case.placements), requires_grad=case.requires_grad)
+    with torch.no_grad():
+        shard = param.to_local()
+    shard_requires_grad = shard.requires_grad
+
+    local, info = impl.flatten_tensor(param)
+    back = impl.unflatten_tensor(local, info)
+    checks = [
+        Check("flatten returns sharding info", info is not None, f"got {info!r}"),
+        Check("flatten leaves t requiring grad as before", param.requires_grad == case.requires_grad,
+              f"t.requires_grad became {param.requires_grad}"),
+        Check("flatten leaves t's shard requiring grad as before", shard.requires_grad == shard_requires_grad,
+              f"t's shard requires_grad went {shard_requires_grad} -> {shard.requires_grad}"),
+        Check("local shares storage with t's shard",
+              local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(),
+              "flatten copied the shard: DP would update a copy, not the model"),
+        Check("local requires_grad", local.requires_grad == case.requires_grad,
+              f"local.requires_grad={local.requires_grad}, t.requires_grad={case.requires_grad}"),
+        Check("unflatten returns a DTensor", isinstance(back, DTensor), f"got {type(back).__name__}"),
+    ]
+    if isinstance(back, DTensor):
+        checks += [
+            Check("mesh", back.device_mesh == mesh, f"{back.device_mesh} != {mesh}"),
+            Check("placements", tuple(back.placements) == case.placements,
+                  f"{tuple(back.placements)} != {case.placements}"),
+            Check("global shape", tuple(back.shape) == case.shape, f"{tuple(back.shape)} != {case.shape}"),
+            Check("stride", back.stride() == param.stride(), f"{back.stride()} != {param.stride()}"),
+            Check("dtype", back.dtype == case.dtype, f"{back.dtype} != {case.dtype}"),
+            Check("requires_grad", back.requires_grad == case.requires_grad,
+                  f"unflatten(flatten(t)).requires_grad={back.requires_grad}, t.requires_grad={case.requires_grad}"),
+            Check("local data", torch.equal(back.to_local(), shard), "the shard's values changed"),
+            Check("full tensor", torch.equal(back.full_tensor().detach(), full), "gathered tensor differs from t"),
+        ]
+        checks += _gradient_checks(case, back, local)
+    plain = full.clone()
+    out, plain_info = impl.flatten_tensor(plain)
+    checks.append(Check("flatten of a plain tensor is the identity", out is plain and plain_info is None,
+                        f"got {type(out).__name__} and {plain_info!r}"))
+    return checks
+
+
+def _gradient_checks(case: TensorCase, back, local) -> list[Check]:
+    """A gradient of the rebuilt DTensor must land, unchanged, on the local shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not (back.requires_grad and local.requires_grad):
+        return []
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    weight = torch.randn(case.shape, generator=gen, dtype=torch.float64).to(case.dtype)
+    weight = distribute_tensor(weight, back.device_mesh, case.placements)
+    (back * weight).to_local().sum().backward()
+    expected = weight.to_local()
+    return [Check("gradient reaches the local shard",
+                  local.grad is not None and torch.equal(local.grad, expected),
+                  "no gradient" if local.grad is None else "gradient differs from d(sum(t*w))/dt = w")]
+
+
+@tpdp_property(case=lambda world_size: tensor_cases(world_size, max_mesh_dims=1))
+def flatten_roundtrip(pool, impl: str, case: TensorCase) -> None:
+    """unflatten(flatten(t)) equals t: mesh, placements, shape, stride, dtype, requires_grad, data, gradient flow."""
+    assert_checks(pool.run(observe_roundtrip, case, impl))

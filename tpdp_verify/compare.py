@@ -1,0 +1,39 @@
+"""Judging what the ranks observed: every check counted, every failure named."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Check(NamedTuple):
+    """One comparison made on one rank."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def assert_checks(per_rank: list[list[Check]], minimum: int = 1) -> int:
+    """Raise AssertionError naming each failed check and its ranks; return the count.
+
+    A run that compared fewer than ``minimum`` items fails too: a check that compared
+    nothing cannot have found anything.
+    """
+    compared = sum(len(checks) for checks in per_rank)
+    if compared < minimum:
+        raise AssertionError(f"compared {compared} items, expected at least {minimum}")
+    failed: dict[str, tuple[list[int], str]] = {}
+    for rank, checks in enumerate(per_rank):
+        for check in checks:
+            if not check.ok:
+                ranks, _ = failed.setdefault(check.name, ([], check.detail))
+                ranks.append(rank)
+    if failed:
+        lines = [
+            f"  {name} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): {detail}"
+            for name, (ranks, detail) in failed.items()
+        ]
+        raise AssertionError(
+            f"{len(failed)} of {compared // len(per_rank)} checks failed:\n" + "\n".join(lines)
+        )
+    return compared

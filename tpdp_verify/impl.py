@@ -1,0 +1,56 @@
+"""Which implementation of the TP->DP transform is under test.
+
+``load("torch")`` (the default) binds torch's private functions, ``load("reference")``
+binds tpdp_verify.transform, and any other name is a dotted path to a module, or to an
+object in a module, that defines the same functions: a patched torch or a user's own
+transform. Ranks load the implementation by name, so it must import there too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+from tpdp_verify.errors import UsageError
+
+FUNCTIONS = ("flatten_tensor", "unflatten_tensor")
+
+
+def _torch() -> SimpleNamespace:
+    from torch.distributed.tensor.parallel import _data_parallel_utils as dpu
+
+    return SimpleNamespace(
+        name="torch", flatten_tensor=dpu._flatten_tensor, unflatten_tensor=dpu._unflatten_tensor
+    )
+
+
+def _resolve(path: str):
+    """Import ``pkg.mod`` or ``pkg.mod.Object``."""
+    try:
+        return importlib.import_module(path)
+    except ImportError as first:
+        module_name, _, attr = path.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError):
+            raise first from None
+
+
+def load(name: str = "torch") -> SimpleNamespace:
+    """The functions of implementation ``name``; a clear UsageError if it cannot be used."""
+    if name == "torch":
+        return _torch()
+    try:
+        source = _resolve("tpdp_verify.transform" if name == "reference" else name)
+    except ImportError as exc:
+        raise UsageError(
+            f"implementation {name!r} does not import ({exc}); give torch, reference or an "
+            "importable dotted path"
+        ) from None
+    missing = [f for f in FUNCTIONS if not callable(getattr(source, f, None))]
+    if missing:
+        raise UsageError(
+            f"implementation {name!r} lacks {', '.join(missing)}; it must define "
+            f"{', '.join(FUNCTIONS)} (see tpdp_verify/transform.py)"
+        )
+    return SimpleNamespace(name=name, **{f: getattr(source, f) for f in FUNCTIONS})

@@ -1,0 +1,469 @@
+"""Persistent ranks: spawn once, then run many checks on one real process group.
+
+``RankPool(world_size)`` spawns ``world_size`` processes that join a process group
+(gloo on CPU, NCCL when every rank has its own GPU) through a TCPStore the parent
+hosts on 127.0.0.1, on a port the OS picks, so pools never collide.  The ranks then
+serve ``pool.run(fn, *args)`` until the pool is closed.
+
+The parent is the judge of liveness: a call that some ranks do not answer within its
+timeout, or a rank that dies, tears the ranks down (SIGKILL) and the next call spawns
+fresh ones.  Ranks cannot outlive the parent: each watches a lifeline pipe whose only
+writer is the parent, and exits when it closes, however the parent ended.
+
+Started under torchrun (``RANK`` and ``WORLD_SIZE`` in the environment), the same API
+attaches to the launcher's process group instead: ``run`` calls ``fn`` on this rank and
+all-gathers the replies, so every rank sees every result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Callable
+
+from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout, UsageError
+
+_STOP = b"stop"
+
+# ---------------------------------------------------------------------------
+# Inside a rank: state and helpers that functions sent by ``run`` may use.
+# ---------------------------------------------------------------------------
+
+_MESHES: dict = {}
+_DEVICE_TYPE = "cpu"
+
+
+def device_type() -> str:
+    """``"cuda"`` on an NCCL pool, ``"cpu"`` on gloo; call inside a rank."""
+    return _DEVICE_TYPE
+
+
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
+    """The rank's cached DeviceMesh for (shape, names), created collectively on first use.
+
+    Every rank runs the same function with the same arguments, so every rank reaches
+    the first use of a key at the same point and creates its subgroups together.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (tuple(shape), tuple(names) if names is not None else None)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        if math.prod(key[0]) != dist.get_world_size():
+            raise UsageError(
+                f"mesh {key[0]} holds {math.prod(key[0])} ranks but the pool has "
+                f"{dist.get_world_size()}; choose a shape whose product is the world size"
+            )
+        mesh = _MESHES[key] = init_device_mesh(_DEVICE_TYPE, key[0], mesh_dim_names=key[1])
+    return mesh
+
+
+def _choose_backend(backend: str, world_size: int) -> str:
+    import torch
+
+    if backend not in ("auto", "gloo", "nccl"):
+        raise UsageError(f"backend must be auto, gloo or nccl, not {backend!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise UsageError(
+            f"backend nccl needs one GPU a rank: {world_size} ranks, {gpus} GPUs; "
+            "use --tpdp-backend gloo or fewer ranks"
+        )
+    return backend
+
+
+def _loopback_interface() -> str:
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return "lo"
+
+
+def _portable(result: Any) -> Any:
+    """Tensors come back detached and on CPU; DTensors must be made plain first."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            raise TypeError("a rank returned a DTensor; return .full_tensor() or .to_local()")
+        return t.detach().cpu()
+
+    return tree_map_only(torch.Tensor, plain, result)
+
+
+def _reply(call: bytes) -> bytes:
+    """Run one pickled (fn, args) and pickle what happened: ok/result or error."""
+    try:
+        fn, args = pickle.loads(call)
+        return pickle.dumps(("ok", _portable(fn(*args))))
+    except Exception as exc:  # report every failure; BaseException still ends the rank
+        try:
+            exc_bytes = pickle.dumps(exc)
+        except Exception:
+            exc_bytes = None
+        return pickle.dumps(("error", traceback.format_exc(), exc_bytes))
+
+
+def _exit_when_orphaned(lifeline) -> None:
+    try:
+        lifeline.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(70)  # the parent is gone: nobody will ever ask this rank anything again
+
+
+def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s) -> None:
+    """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
+    global _DEVICE_TYPE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
+    try:
+        loopback = _loopback_interface()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+        import torch
+        import torch.distributed as dist
+
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            _DEVICE_TYPE = "cuda"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except Exception:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None)))
+        return
+    conn.send_bytes(pickle.dumps(("ok", "ready")))
+    while True:
+        try:
+            call = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if call == _STOP:
+            break
+        conn.send_bytes(_reply(call))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# In the parent.
+# ---------------------------------------------------------------------------
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _ranks_text(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _shutdown(procs, conns, lifeline, graceful: bool) -> None:
+    """Stop the ranks: ask politely if idle, SIGKILL whatever is left after a moment."""
+    if graceful:
+        for conn in conns:
+            try:
+                conn.send_bytes(_STOP)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10.0
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join()
+    for conn in (*conns, lifeline):
+        conn.close()
+
+
+class _Ranks:
+    """One generation of spawned ranks; a failure retires it and the pool makes another."""
+
+    def __init__(self, world_size: int, backend: str, start_timeout: float, pg_timeout: float):
+        import torch.distributed as dist
+
+        ctx = multiprocessing.get_context("spawn")
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=start_timeout),
+        )
+        lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
+        self.procs, self.conns = [], []
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, backend, self.store.port, child_end, lifeline_r, pg_timeout),
+                name=f"tpdp-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        lifeline_r.close()
+        self.lifeline = lifeline_w
+        self.busy = False
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, lifeline_w, True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self, graceful: bool = True) -> None:
+        self._finalizer.detach()
+        _shutdown(self.procs, self.conns, self.lifeline, graceful and not self.busy)
+
+    def collect(self, what: str, deadline: float, grace: float) -> dict[int, tuple]:
+        """Wait for one reply from every rank, or raise on timeout or death."""
+        pending = dict(enumerate(self.conns))
+        replies: dict[int, tuple] = {}
+        graced = False
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if graced:  # an error came first: report it, naming who was stuck
+                    return replies | {r: ("stuck",) for r in pending}
+                raise RankTimeout(
+                    f"{_ranks_text(pending)} of {len(self.conns)} did not answer within the "
+                    f"timeout running {what}"
+                    + (f" ({_ranks_text(replies)} answered)" if replies else "")
+                    + "; the ranks were killed and the next run respawns them",
+                    sorted(pending),
+                )
+            waitables = {c: r for r, c in pending.items()}
+            waitables |= {self.procs[r].sentinel: r for r in pending}
+            for ready in multiprocessing.connection.wait(list(waitables), timeout=left):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                conn = pending[rank]
+                try:
+                    if ready is not conn and not conn.poll():
+                        raise EOFError
+                    replies[rank] = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self.procs[rank].join(5.0)
+                    code = self.procs[rank].exitcode
+                    raise RankDied(
+                        f"rank {rank} of {len(self.conns)} {_describe_exit(code)} while running "
+                        f"{what}; the ranks were killed and the next run respawns them",
+                        rank, code,
+                    ) from None
+                del pending[rank]
+            if not graced and pending and any(r[0] == "error" for r in replies.values()):
+                graced = True
+                deadline = min(deadline, time.monotonic() + grace)
+        return replies
+
+    def call(self, payload: bytes, what: str, timeout: float, grace: float) -> dict[int, tuple]:
+        self.busy = True
+        for conn in self.conns:
+            conn.send_bytes(payload)
+        replies = self.collect(what, time.monotonic() + timeout, grace)
+        self.busy = any(r[0] == "stuck" for r in replies.values())
+        return replies
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class RankPool:
+    """``world_size`` ranks on a real process group, kept for many ``run`` calls.
+
+    Args:
+        world_size: number of ranks; under torchrun, ``None`` or the launcher's size.
+        backend: ``"auto"`` (NCCL when there is one GPU a rank, else gloo), ``"gloo"``
+            or ``"nccl"``.
+        timeout: seconds a ``run`` may take before the silent ranks are declared hung.
+        start_timeout: seconds the ranks may take to start and join the group.
+        error_grace: after a rank raises, seconds the others get to finish before they
+            are presumed stuck in a collective with it and the pool is restarted.
+    """
+
+    def __init__(
+        self,
+        world_size: int | None = None,
+        backend: str = "auto",
+        *,
+        timeout: float = 120.0,
+        start_timeout: float = 180.0,
+        error_grace: float = 10.0,
+    ):
+        self.attached = _under_launcher()
+        if self.attached:
+            launched = int(os.environ["WORLD_SIZE"])
+            if world_size not in (None, launched):
+                raise UsageError(
+                    f"torchrun launched {launched} ranks but the pool asked for {world_size}; "
+                    "pass world_size=None or match --nproc-per-node"
+                )
+            world_size = launched
+        if not isinstance(world_size, int) or world_size < 1:
+            raise UsageError(f"world_size must be a positive integer, not {world_size!r}")
+        if timeout <= 0 or start_timeout <= 0 or error_grace < 0:
+            raise UsageError("timeout and start_timeout must be positive, error_grace non-negative")
+        self.world_size = world_size
+        self.backend = _choose_backend(backend, world_size)
+        self.timeout, self.start_timeout, self.error_grace = timeout, start_timeout, error_grace
+        self.spawns = 0  # how many generations of ranks this pool has started
+        self._ranks: _Ranks | None = None
+        if self.attached:
+            self._owns_group = self._attach()
+        else:
+            self._start()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def _start(self) -> None:
+        self._ranks = _Ranks(
+            self.world_size, self.backend, self.start_timeout, self.timeout + self.start_timeout
+        )
+        self.spawns += 1
+        try:
+            replies = self._ranks.collect("start-up", time.monotonic() + self.start_timeout, 0.0)
+            errors = {r: reply[1] for r, reply in replies.items() if reply[0] == "error"}
+            if errors:
+                rank = min(errors)
+                raise PoolError(
+                    f"{_ranks_text(errors)} failed to join the {self.backend} process group; "
+                    f"rank {rank}:\n{errors[rank]}"
+                )
+        except PoolError:
+            self._retire(graceful=False)
+            raise
+
+    def _attach(self) -> bool:
+        global _DEVICE_TYPE
+        import torch
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            _DEVICE_TYPE = "cuda"
+        if dist.is_initialized():
+            return False
+        dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=self.timeout))
+        return True
+
+    def _retire(self, graceful: bool) -> None:
+        ranks, self._ranks = self._ranks, None
+        if ranks is not None:
+            ranks.close(graceful)
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent). Attached pools leave the launcher's group alone."""
+        if self.attached:
+            if self._owns_group:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+                self._owns_group = False
+            return
+        self._retire(graceful=True)
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current ranks (empty when attached or between generations)."""
+        return self._ranks.pids if self._ranks else []
+
+    def __repr__(self) -> str:
+        mode = "attached" if self.attached else f"spawns={self.spawns}"
+        return f"RankPool(world_size={self.world_size}, backend={self.backend!r}, {mode})"
+
+    # -- calls -------------------------------------------------------------
+
+    def run(self, fn: Callable, /, *args: Any, timeout: float | None = None) -> list:
+        """Run ``fn(*args)`` on every rank; return the results in rank order.
+
+        ``fn`` and ``args`` must be picklable (a module-level function, plain data).
+        Raises RankFailed when ``fn`` raised on any rank, RankTimeout or RankDied (both
+        PoolError) when ranks hung or died; after those the next call respawns the ranks.
+        """
+        what = f"`{_name(fn)}`"
+        try:
+            payload = pickle.dumps((fn, args))
+        except Exception as exc:
+            raise UsageError(
+                f"cannot send {what} to the ranks ({exc}); use a module-level function and "
+                "picklable arguments"
+            ) from None
+        if self.attached:
+            replies = self._gather_attached(payload)
+        else:
+            if self._ranks is None:
+                self._start()
+            try:
+                replies = self._ranks.call(payload, what, timeout or self.timeout, self.error_grace)
+            except PoolError:
+                self._retire(graceful=False)
+                raise
+            if self._ranks.busy:
+                self._retire(graceful=False)
+        return self._results(what, replies)
+
+    def _gather_attached(self, payload: bytes) -> dict[int, tuple]:
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, _reply(payload))
+        return {rank: pickle.loads(reply) for rank, reply in enumerate(gathered)}
+
+    def _results(self, what: str, replies: dict[int, tuple]) -> list:
+        errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
+        if not errors:
+            return [replies[r][1] for r in range(self.world_size)]
+        stuck = sorted(r for r, reply in replies.items() if reply[0] == "stuck")
+        exceptions = {}
+        for rank, (_, _, exc_bytes) in errors.items():
+            try:
+                exceptions[rank] = pickle.loads(exc_bytes) if exc_bytes else None
+            except Exception:
+                exceptions[rank] = None
+        first = min(errors)
+        message = f"{what} raised on {_ranks_text(errors)} of {self.world_size}"
+        if stuck:
+            message += (
+                f"; {_ranks_text(stuck)} were still busy {self.error_grace:g} s later "
+                "(waiting in a collective for the failed rank?), so the ranks were restarted"
+            )
+        message += f"\n--- rank {first} ---\n{errors[first][1].rstrip()}"
+        raise RankFailed(message, {r: e[1] for r, e in errors.items()}, exceptions, stuck)

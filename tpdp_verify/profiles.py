@@ -1,0 +1,56 @@
+"""The three run profiles: how many examples, on which world sizes.
+
+Each is also registered as a hypothesis settings profile named ``tpdp-<name>`` (prefixed
+so that a project's own ``ci`` profile is left alone). All are derandomized with no
+example database: the same torch build gets the same verdict on every machine, and a
+failure printed by CI replays locally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+
+from tpdp_verify.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    max_examples: int
+    world_sizes: tuple[int, ...]
+
+    @property
+    def settings(self) -> settings:
+        return settings.get_profile(f"tpdp-{self.name}")
+
+
+PROFILES = {
+    p.name: p
+    for p in (
+        Profile("smoke", max_examples=10, world_sizes=(2,)),
+        Profile("ci", max_examples=40, world_sizes=(2, 4)),
+        Profile("release", max_examples=200, world_sizes=(2, 4, 8)),
+    )
+}
+
+for _p in PROFILES.values():
+    settings.register_profile(
+        f"tpdp-{_p.name}",
+        max_examples=_p.max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,  # ranks share two cores: wall time says nothing about a bug
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+def get(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise UsageError(
+            f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}"
+        ) from None

@@ -1,0 +1,84 @@
+"""A property of the conformance suite, and running it under a profile.
+
+A property is a plain function ``fn(pool, impl, **drawn)`` plus the strategies that
+draw its arguments. ``Property.run`` wraps it in hypothesis afresh for each run, so the
+profile is chosen per run and nothing global is touched, and counts the examples it ran
+so that a property whose strategy was filtered away cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hypothesis import given
+from hypothesis.errors import UnsatisfiedAssumption
+
+from tpdp_verify.errors import PoolError
+from tpdp_verify.profiles import Profile
+
+
+@dataclass
+class Stats:
+    examples: int = 0  # examples hypothesis ran, shrinking included
+    passed: int = 0
+    discarded: int = 0  # rejected by assume() or a filter inside the example
+
+
+class _PoolBroke(BaseException):
+    """Carries a PoolError out of hypothesis, which must not shrink on a hang or crash."""
+
+
+@dataclass(frozen=True)
+class Property:
+    name: str
+    fn: Callable
+    strategies: dict = field(repr=False)
+    min_world_size: int = 1
+
+    @property
+    def doc(self) -> str:
+        return (self.fn.__doc__ or "").strip().splitlines()[0]
+
+    def run(self, pool, impl, profile: Profile) -> Stats:
+        """Run under ``profile`` on ``pool``; raise what hypothesis raises, after shrinking."""
+        stats = Stats()
+
+        @functools.wraps(self.fn)  # hypothesis seeds and names the test from the property
+        def example(*args, **kwargs):
+            stats.examples += 1
+            try:
+                self.fn(*args, **kwargs)
+            except UnsatisfiedAssumption:
+                stats.discarded += 1
+                raise
+            except PoolError as exc:
+                raise _PoolBroke(exc) from exc
+            stats.passed += 1
+
+        strategies = {k: s(pool.world_size) if callable(s) else s for k, s in self.strategies.items()}
+        test = profile.settings(given(**strategies)(example))
+        try:
+            test(pool, impl)
+        except _PoolBroke as broke:
+            raise broke.args[0] from None
+        if stats.passed == 0:
+            raise AssertionError(
+                f"property {self.name} ran no passing example ({stats}); its strategy "
+                "never produced a case it could check"
+            )
+        return stats
+
+
+def tpdp_property(*, min_world_size: int = 1, **strategies) -> Callable[[Callable], Property]:
+    """Declare ``fn(pool, impl, **drawn)`` a property with strategies for ``drawn``.
+
+    A strategy may also be a function of the pool's world size, for cases (mesh shapes)
+    that depend on it.
+    """
+
+    def declare(fn: Callable) -> Property:
+        return Property(fn.__name__, fn, strategies, min_world_size)
+
+    return declare
