@@ -433,7 +433,7 @@ class RankPool:
                 self._start()
             try:
                 replies = self._ranks.call(payload, what, timeout or self.timeout, self.error_grace)
-            except PoolError:
+            except BaseException:  # hang, death, or the caller interrupted (Ctrl-C, timeout)
                 self._retire(graceful=False)
                 raise
             if self._ranks.busy:

@@ -24,6 +24,7 @@ class Stats:
     examples: int = 0  # examples hypothesis ran, shrinking included
     passed: int = 0
     discarded: int = 0  # rejected by assume() or a filter inside the example
+    failing: dict | None = None  # drawn arguments of the last failing example (the shrunk one)
 
 
 class _PoolBroke(BaseException):
@@ -41,9 +42,13 @@ class Property:
     def doc(self) -> str:
         return (self.fn.__doc__ or "").strip().splitlines()[0]
 
-    def run(self, pool, impl, profile: Profile) -> Stats:
-        """Run under ``profile`` on ``pool``; raise what hypothesis raises, after shrinking."""
-        stats = Stats()
+    def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None) -> Stats:
+        """Run under ``profile`` on ``pool``; raise what hypothesis raises, after shrinking.
+
+        ``impl`` names the implementation under test (see tpdp_verify.impl); ``stats``,
+        if given, is filled in as the run goes, so it is there even when the run raises.
+        """
+        stats = Stats() if stats is None else stats
 
         @functools.wraps(self.fn)  # hypothesis seeds and names the test from the property
         def example(*args, **kwargs):
@@ -55,6 +60,9 @@ class Property:
                 raise
             except PoolError as exc:
                 raise _PoolBroke(exc) from exc
+            except BaseException:
+                stats.failing = {k: v for k, v in kwargs.items() if k in self.strategies}
+                raise
             stats.passed += 1
 
         strategies = {k: s(pool.world_size) if callable(s) else s for k, s in self.strategies.items()}
@@ -69,6 +77,21 @@ class Property:
                 "never produced a case it could check"
             )
         return stats
+
+    def replay_code(self, world_size: int, impl: str, drawn: dict) -> str:
+        """A script that runs this property once on ``drawn``, outside hypothesis."""
+        args = "".join(f", {k}={v!r}" for k, v in drawn.items())
+        types = {type(v) for v in drawn.values() if type(v).__module__ != "builtins"}
+        imports = "".join(f"from {t.__module__} import {t.__qualname__}\n" for t in types)
+        return (
+            "import torch\n"
+            "from torch.distributed.tensor import Replicate, Shard\n"
+            "from tpdp_verify.pool import RankPool\n"
+            f"{imports}from {self.fn.__module__} import {self.name}\n\n"
+            'if __name__ == "__main__":  # ranks are spawned: they re-import this file\n'
+            f"    with RankPool({world_size}) as pool:\n"
+            f"        {self.name}.fn(pool, {impl!r}{args})\n"
+        )
 
 
 def tpdp_property(*, min_world_size: int = 1, **strategies) -> Callable[[Callable], Property]:
