@@ -1,0 +1,67 @@
+"""Functions the tests send to ranks: module-level, so spawned ranks can import them."""
+
+import ctypes
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from tpdp_verify.pool import device_mesh, device_type
+
+
+def rank_and_sum(tag):
+    t = torch.tensor([float(dist.get_rank())], device=device_type())
+    dist.all_reduce(t)
+    return dist.get_rank(), tag, t
+
+
+def mesh_identity():
+    mesh = device_mesh((2, 2), ("dp", "tp"))
+    return id(mesh), mesh is device_mesh((2, 2), ("dp", "tp")), mesh.mesh_dim_names, mesh["tp"].size()
+
+
+def wrong_mesh():
+    device_mesh((3,))
+
+
+def raise_on(rank):
+    if dist.get_rank() == rank:
+        raise ValueError(f"boom on {rank}")
+    return "fine"
+
+
+def raise_while_others_reduce(rank):
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} leaves the collective")
+    dist.all_reduce(torch.ones(1))
+
+
+def lone_collective(rank):
+    """``rank`` enters an all_reduce that no other rank joins: a real hang."""
+    if dist.get_rank() == rank:
+        dist.all_reduce(torch.ones(1))
+    return "returned"
+
+
+def die_on(rank, how):
+    if dist.get_rank() == rank:
+        if how == "exit":
+            os._exit(3)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "segfault":
+            ctypes.string_at(0)
+    time.sleep(60)
+
+
+def sleep(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def return_dtensor():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return distribute_tensor(torch.ones(2), device_mesh((dist.get_world_size(),)), [Replicate()])

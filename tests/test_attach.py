@@ -1,0 +1,56 @@
+"""Attach mode: under torchrun the same API runs on the launcher's process group."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import torch.distributed as dist
+import rank_fns
+from tpdp_verify.errors import RankFailed
+from tpdp_verify.pool import RankPool
+
+pool = RankPool()
+assert pool.attached and pool.pids == []
+results = pool.run(rank_fns.rank_and_sum, "attached")
+ids = pool.run(rank_fns.mesh_identity)
+try:
+    pool.run(rank_fns.raise_on, 1)
+    failed = "no error"
+except RankFailed as exc:
+    failed = str(exc).splitlines()[0]
+print(f"rank {dist.get_rank()}: {[r[0] for r in results]} {results[0][2].item()} "
+      f"{ids[0][1:]} | {failed}", flush=True)
+pool.close()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_pool_runs_on_the_torchrun_group(tmp_path):
+    script = tmp_path / "attached.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(script)],
+        capture_output=True, text=True, timeout=150,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("rank "))
+    assert len(lines) == 4, out.stdout
+    for rank, line in enumerate(lines):
+        assert line == (f"rank {rank}: [0, 1, 2, 3] 6.0 (True, ('dp', 'tp'), 2) | "
+                        "`rank_fns.raise_on` raised on rank 1 of 4")
+
+
+def test_world_size_must_match_the_launcher(monkeypatch):
+    from tpdp_verify.errors import UsageError
+    from tpdp_verify.pool import RankPool
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(UsageError, match="torchrun launched 4 ranks but the pool asked for 2"):
+        RankPool(2)

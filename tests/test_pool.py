@@ -1,0 +1,170 @@
+"""RankPool on real gloo ranks: results, mesh cache, and every failure mode for real."""
+
+import signal
+import time
+
+import pytest
+import rank_fns
+import torch
+from helpers import alive, wait_gone
+
+from tpdp_verify.errors import RankDied, RankFailed, RankTimeout, UsageError
+from tpdp_verify.pool import RankPool
+
+TIMEOUT = 4.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(4, "gloo", timeout=TIMEOUT, error_grace=1.0) as pool:
+        yield pool
+
+
+def test_results_come_back_in_rank_order(pool):
+    results = pool.run(rank_fns.rank_and_sum, "tag")
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert all(r[1] == "tag" and r[2].item() == 6.0 for r in results)
+
+
+def test_device_mesh_is_created_once_per_shape(pool):
+    first = pool.run(rank_fns.mesh_identity)
+    second = pool.run(rank_fns.mesh_identity)
+    assert first == second  # same object ids on every rank across calls
+    assert all(same and names == ("dp", "tp") and tp == 2 for _, same, names, tp in first)
+
+
+def test_mesh_that_does_not_fit_the_world_is_a_usage_error(pool):
+    with pytest.raises(RankFailed) as info:
+        pool.run(rank_fns.wrong_mesh)
+    assert all(isinstance(e, UsageError) for e in info.value.exceptions.values())
+    assert "mesh (3,) holds 3 ranks but the pool has 4" in str(info.value)
+
+
+def test_exception_names_the_rank_and_carries_its_traceback(pool):
+    spawns = pool.spawns
+    with pytest.raises(RankFailed) as info:
+        pool.run(rank_fns.raise_on, 2)
+    message = str(info.value)
+    assert "`rank_fns.raise_on` raised on rank 2 of 4" in message
+    assert "Traceback" in message and "ValueError: boom on 2" in message
+    assert set(info.value.tracebacks) == {2} and isinstance(info.value.exceptions[2], ValueError)
+    assert pool.spawns == spawns  # the other ranks answered: the pool is still healthy
+    assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
+
+
+def test_exception_while_others_wait_in_a_collective_restarts_the_pool(pool):
+    spawns, old = pool.spawns, pool.pids
+    with pytest.raises(RankFailed) as info:
+        pool.run(rank_fns.raise_while_others_reduce, 1)
+    assert info.value.stuck == [0, 2, 3]
+    assert "rank 1 leaves the collective" in str(info.value)
+    assert "ranks 0, 2, 3 were still busy" in str(info.value)
+    assert wait_gone(old) == []
+    assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
+    assert pool.spawns == spawns + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_real_hang_is_detected_within_the_timeout_and_the_pool_respawns(pool):
+    spawns, old = pool.spawns, pool.pids
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        pool.run(rank_fns.lone_collective, 0)
+    elapsed = time.monotonic() - start
+    assert TIMEOUT <= elapsed < TIMEOUT + 10
+    assert info.value.silent == [0]
+    assert "rank 0 of 4 did not answer" in str(info.value)
+    assert "ranks 1, 2, 3 answered" in str(info.value)
+    assert wait_gone(old) == []
+    assert [r[0] for r in pool.run(rank_fns.rank_and_sum, 2)] == [0, 1, 2, 3]
+    assert pool.spawns == spawns + 1
+
+
+def test_per_call_timeout_overrides_the_pool_default(pool):
+    with pytest.raises(RankTimeout):
+        pool.run(rank_fns.sleep, 3.0, timeout=1.0)
+    assert pool.run(rank_fns.sleep, 0.0) == [0.0] * 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "how, said",
+    [("exit", "exited with code 3"), ("sigkill", "was killed by SIGKILL"),
+     ("segfault", "was killed by SIGSEGV")],
+)
+def test_a_dying_rank_is_reported_and_the_pool_respawns(pool, how, said):
+    spawns, old = pool.spawns, pool.pids
+    start = time.monotonic()
+    with pytest.raises(RankDied) as info:
+        pool.run(rank_fns.die_on, 3, how)
+    assert time.monotonic() - start < TIMEOUT  # noticed at once, not at the timeout
+    assert info.value.rank == 3 and f"rank 3 of 4 {said}" in str(info.value)
+    assert wait_gone(old) == []
+    assert len(pool.run(rank_fns.rank_and_sum, 3)) == 4
+    assert pool.spawns == spawns + 1
+
+
+def test_an_interrupted_call_retires_the_ranks(pool):
+    """The caller gives up mid-call (Ctrl-C, pytest-timeout): no stale reply may leak into
+    the next call, so the busy ranks are killed and the next call gets fresh ones."""
+    old = pool.pids
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(rank_fns.sleep, 2.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert wait_gone(old) == []
+    assert pool.run(rank_fns.sleep, 0.25) == [0.25] * 4
+
+
+def test_a_function_that_cannot_be_sent_is_refused_before_any_rank_runs(pool):
+    with pytest.raises(UsageError, match="use a module-level function"):
+        pool.run(lambda: 1)
+
+
+def test_a_dtensor_result_is_refused_with_advice(pool):
+    with pytest.raises(RankFailed, match=r"return \.full_tensor\(\) or \.to_local\(\)"):
+        pool.run(rank_fns.return_dtensor)
+
+
+def test_two_pools_run_side_by_side_without_colliding():
+    with RankPool(2, "gloo") as a, RankPool(2, "gloo") as b:
+        assert [r[2].item() for r in a.run(rank_fns.rank_and_sum, "a")] == [1.0, 1.0]
+        assert [r[2].item() for r in b.run(rank_fns.rank_and_sum, "b")] == [1.0, 1.0]
+        assert set(a.pids).isdisjoint(b.pids)
+
+
+def test_close_leaves_no_process_and_is_idempotent():
+    pool = RankPool(2, "gloo")
+    pids = pool.pids
+    assert all(alive(p) for p in pids)
+    pool.close()
+    pool.close()
+    assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"world_size": 0}, "world_size must be a positive integer"),
+     ({"world_size": 2, "backend": "mpi"}, "backend must be auto, gloo or nccl"),
+     ({"world_size": 2, "timeout": 0}, "timeout and start_timeout must be positive")],
+)
+def test_bad_arguments_are_usage_errors(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        RankPool(**kwargs)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"NCCL needs one GPU a rank; this machine has {torch.cuda.device_count()}",
+)
+def test_nccl_pool_runs_on_gpus():
+    with RankPool(2, "nccl") as pool:
+        assert [r[2].item() for r in pool.run(rank_fns.rank_and_sum, "n")] == [1.0, 1.0]
