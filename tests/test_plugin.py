@@ -1,0 +1,62 @@
+"""The pytest plugin as a user's project sees it: pytester runs a separate pytest."""
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+USER_TESTS = """
+import pytest
+from tpdp_verify.properties import flatten_roundtrip
+
+def test_roundtrip(tpdp_pool, tpdp_impl, tpdp_profile):
+    stats = flatten_roundtrip.run(tpdp_pool, tpdp_impl, tpdp_profile)
+    assert stats.passed >= tpdp_profile.max_examples
+    print("world", tpdp_pool.world_size, "impl", tpdp_impl, "profile", tpdp_profile.name)
+
+@pytest.mark.tpdp(world_size=4)
+def test_marker_picks_the_world_size(tpdp_pool):
+    assert tpdp_pool.world_size == 4
+"""
+
+
+@pytest.mark.timeout(300)
+def test_fixtures_options_and_marker_in_a_users_project(pytester):
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-s", "--tpdp-impl", "reference", "--tpdp-profile", "smoke",
+                                           "--strict-markers")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*world 2 impl reference profile smoke*"])
+
+
+@pytest.mark.timeout(300)
+def test_ini_keys_configure_the_plugin_and_the_command_line_wins(pytester):
+    pytester.makeini("[pytest]\ntpdp_world_size = 4\ntpdp_impl = reference\ntpdp_profile = smoke\n")
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-s", "-k", "roundtrip")
+    result.stdout.fnmatch_lines(["*world 4 impl reference profile smoke*"])
+    result = pytester.runpytest_subprocess("-s", "-k", "roundtrip", "--tpdp-world-size", "2")
+    result.stdout.fnmatch_lines(["*world 2 impl reference profile smoke*"])
+
+
+@pytest.mark.timeout(300)
+def test_a_divergence_fails_the_users_test_with_the_shrunk_case(pytester):
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("--tpdp-profile", "smoke", "-k", "roundtrip",
+                                           "--junitxml=report.xml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*requires_grad (ranks 0, 1)*", "*requires_grad=False*"])
+    assert "requires_grad" in (pytester.path / "report.xml").read_text()
+
+
+def test_a_bad_impl_is_one_clear_error(pytester):
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("--tpdp-impl", "nope.nothing", "-k", "roundtrip")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*implementation 'nope.nothing' does not import*"])
+
+
+def test_the_plugin_can_be_disabled(pytester):
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:tpdp_verify", "-k", "roundtrip")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'tpdp_pool' not found*"])
