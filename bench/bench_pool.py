@@ -84,9 +84,10 @@ def tp_ddp_check(seed: int) -> tuple[int, float]:
     parallelize_module(model, tp_mesh, {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
     ddp = DDP(model, device_mesh=dp_mesh)  # slices a 2-D mesh: calls _pre_dp_module_transform
     # The transform swaps every DTensor parameter for a plain local Parameter tagged with
-    # `_st_info` (its DTensorSpec), and swaps them again around each forward.  Keep the
-    # handles DDP registered now: they are the leaves the gradients (and DDP's
-    # all-reduce) land on; after forward the module holds new Parameter objects.
+    # `_st_info` (its DTensorSpec).  Its pre-forward hook then sets the attributes to
+    # non-Parameter DTensors, so after forward the module has no parameters left
+    # (cf. pytorch/pytorch#152712).  Keep the handles DDP registered now: they are the
+    # leaves the gradients, and DDP's all-reduce, land on.
     handles = dict(model.named_parameters())
 
     rows = BATCH // dp_mesh.size()
@@ -143,16 +144,23 @@ def _fresh_rank(rank: int, port: int, seed: int, conn) -> None:
         timeout = datetime.timedelta(seconds=120)
         store = dist.TCPStore("127.0.0.1", port, WORLD + 1, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+        joined = time.time()  # wall clock: comparable with the parent's across processes
         result = tp_ddp_check(seed)
+        checked = time.time()
         dist.destroy_process_group()
-        conn.send(("ok", result))
+        conn.send(("ok", result, joined, checked))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
 
 
-def fresh_example(seed: int) -> list:
-    """Spawn 4 processes for one example and wait for them all to exit."""
+def fresh_example(seed: int) -> tuple[list, float, float]:
+    """Spawn 4 processes for one example and wait for them all to exit.
+
+    Returns the results and when (seconds after the start) the last rank had joined
+    the group and the last rank had finished the check.
+    """
+    start = time.time()
     ctx = multiprocessing.get_context("spawn")
     store = dist.TCPStore(  # hosted here so children only need the port; 0 = OS picks
         "127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
@@ -179,7 +187,9 @@ def fresh_example(seed: int) -> list:
     errors = [r[1] for r in replies if r[0] != "ok"]
     if errors:
         raise RuntimeError(f"a fresh rank failed:\n{errors[0]}")
-    return [r[1] for r in replies]
+    joined = max(r[2] for r in replies) - start
+    checked = max(r[3] for r in replies) - start
+    return [r[1] for r in replies], joined, checked
 
 
 # ---------------------------------------------------------------------------
@@ -234,10 +244,12 @@ def main() -> int:
 
         fresh = []
         for i in range(m):
-            elapsed, results = timed(fresh_example, 1 + i)
+            elapsed, (results, joined, checked) = timed(fresh_example, 1 + i)
             worst = max(worst, verify(results, f"(c) example {i}"))
             fresh.append(elapsed)
-            print(f"  fresh example {i}: {elapsed:.2f} s", flush=True)
+            print(f"  fresh example {i}: {elapsed:.2f} s  (all ranks joined the group at "
+                  f"{joined:.2f} s, checked at {checked:.2f} s, exited at {elapsed:.2f} s)",
+                  flush=True)
         c = sum(fresh) / m
     except (AssertionError, RankFailed) as exc:  # the check failed (here or on a rank)
         print(f"\nCHECK FAILED: {exc}", file=sys.stderr)

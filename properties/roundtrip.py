@@ -98,7 +98,7 @@ def _gradient_checks(case: TensorCase, back, local) -> list[Check]:
                   "no gradient" if local.grad is None else "gradient differs from d(sum(t*w))/dt = w")]
 
 
-@tpdp_property(case=lambda world_size: tensor_cases(world_size, max_mesh_dims=1))
+@tpdp_property(case=lambda world_size: tensor_cases(world_size, max_mesh_dims=2))
 def flatten_roundtrip(pool, impl: str, case: TensorCase) -> None:
     """unflatten(flatten(t)) equals t: mesh, placements, shape, stride, dtype, requires_grad, data, gradient flow."""
     assert_checks(pool.run(observe_roundtrip, case, impl))

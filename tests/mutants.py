@@ -8,11 +8,13 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from tpdp_verify import transform
+from tpdp_verify.impl import FUNCTIONS
 
 
 class Reference:
-    flatten_tensor = staticmethod(transform.flatten_tensor)
-    unflatten_tensor = staticmethod(transform.unflatten_tensor)
+    """The reference, function for function; each mutant overrides one."""
+
+    locals().update({f: staticmethod(getattr(transform, f)) for f in FUNCTIONS})
 
 
 class DropsShapeAndStride(Reference):

@@ -39,7 +39,7 @@ def test_gate_against_the_reference_passes():
     "args, message",
     [(["--impl", "no_such_pkg.transform"],
       "tpdp-verify: error: implementation 'no_such_pkg.transform' does not import"),
-     (["--impl", "json"], "tpdp-verify: error: implementation 'json' lacks flatten_tensor, unflatten_tensor"),
+     (["--impl", "json"], "tpdp-verify: error: implementation 'json' lacks flatten_tensor, unflatten_tensor, "),
      (["--profile", "nightly"], "invalid choice: 'nightly'")],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):

@@ -2,7 +2,8 @@
 
 ``load("torch")`` (the default) binds torch's private functions, ``load("reference")``
 binds tpdp_verify.transform, and any other name is a dotted path to a module, or to an
-object in a module, that defines the same functions: a patched torch or a user's own
+object in a module, that defines the same functions under the names in ``FUNCTIONS``
+(torch's names without the leading underscore): a patched torch or a user's own
 transform. Ranks load the implementation by name, so it must import there too.
 """
 
@@ -13,15 +14,23 @@ from types import SimpleNamespace
 
 from tpdp_verify.errors import UsageError
 
-FUNCTIONS = ("flatten_tensor", "unflatten_tensor")
+FUNCTIONS = (
+    "flatten_tensor",
+    "unflatten_tensor",
+    "get_submodule_n_params",
+    "update_module_param",
+    "localize_dtensor",
+    "reconstruct_dtensor",
+    "pre_dp_module_transform",
+)
 
 
 def _torch() -> SimpleNamespace:
     from torch.distributed.tensor.parallel import _data_parallel_utils as dpu
+    from torch.distributed.tensor.parallel import ddp
 
-    return SimpleNamespace(
-        name="torch", flatten_tensor=dpu._flatten_tensor, unflatten_tensor=dpu._unflatten_tensor
-    )
+    functions = {f: getattr(ddp, f"_{f}", None) or getattr(dpu, f"_{f}") for f in FUNCTIONS}
+    return SimpleNamespace(name="torch", **functions)
 
 
 def _resolve(path: str):
@@ -50,7 +59,7 @@ def load(name: str = "torch") -> SimpleNamespace:
     missing = [f for f in FUNCTIONS if not callable(getattr(source, f, None))]
     if missing:
         raise UsageError(
-            f"implementation {name!r} lacks {', '.join(missing)}; it must define "
+            f"implementation {name!r} lacks {', '.join(missing)}; it must define all of "
             f"{', '.join(FUNCTIONS)} (see tpdp_verify/transform.py)"
         )
     return SimpleNamespace(name=name, **{f: getattr(source, f) for f in FUNCTIONS})

@@ -10,8 +10,15 @@ The contract (torch keeps it private and undocumented; see docs/properties.md):
   placements, global shape, stride and dtype, with ``local`` as its shard, so that
   gradients of the DTensor land on ``local``.
 
-This module is torch's independent twin: it uses only public DTensor API, so a
-divergence between the two points at one of them, never at shared code.
+The module transform built on them (``localize_dtensor``, ``reconstruct_dtensor``,
+``pre_dp_module_transform``) must keep what a user relies on across the transform and any
+number of forward passes: the parameter registry (names, order, global shapes), each
+parameter's ``requires_grad``, tied parameters, ignored parameters, buffers, and a
+constant number of hooks.
+
+This module is torch's independent twin: it uses only public DTensor API (and a module's
+``_parameters`` slots), so a divergence between the two points at one of them, never at
+shared code.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
@@ -46,3 +54,86 @@ def unflatten_tensor(local: torch.Tensor, info: ShardingInfo) -> DTensor:
     return DTensor.from_local(
         local, info.mesh, info.placements, run_check=False, shape=info.shape, stride=info.stride
     )
+
+
+# -- the module transform ----------------------------------------------------------
+
+
+def get_submodule_n_params(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module that owns the parameter named ``path`` and its attribute name there."""
+    prefix, _, attr = path.rpartition(".")
+    try:
+        owner = module.get_submodule(prefix)
+    except AttributeError as exc:
+        raise LookupError(f"parameter {path!r}: {exc}") from None
+    if attr not in owner._parameters:
+        raise LookupError(
+            f"parameter {path!r}: {type(owner).__name__} at {prefix or '<root>'!r} has no parameter "
+            f"{attr!r} (it has {', '.join(owner._parameters) or 'none'})"
+        )
+    return owner, attr
+
+
+def update_module_param(entries: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """Put each tensor in its owner's parameter slot, keeping the registration order.
+
+    The slot may hold a DTensor rebuilt for a forward pass: it stays in ``_parameters`` so
+    that ``named_parameters()`` and ``state_dict()`` keep every name during the forward.
+    """
+    for owner, attr, tensor in entries:
+        if attr not in owner._parameters:
+            raise LookupError(
+                f"{type(owner).__name__} has no parameter {attr!r} to replace "
+                f"(it has {', '.join(owner._parameters) or 'none'})"
+            )
+        owner._parameters[attr] = tensor
+
+
+def _parameter_sites(module: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]]:
+    """Every parameter once, with every (owner, attribute) that holds it: tied weights and
+    shared submodules give one parameter several names, and all must change together."""
+    sites: dict[int, tuple[torch.Tensor, list]] = {}
+    seen = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner, attr = get_submodule_n_params(module, name)
+        if (id(owner), attr) not in seen:
+            seen.add((id(owner), attr))
+            sites.setdefault(id(param), (param, []))[1].append((owner, attr))
+    return sites
+
+
+def localize_dtensor(module: nn.Module, *_, ignored_params: set | None = None) -> None:
+    """Swap each DTensor parameter for a Parameter of its local shard (``_st_info`` holds the
+    sharding info). A DTensor rebuilt by ``reconstruct_dtensor`` gets back the very local
+    Parameter it came from, which DP and the optimizer hold."""
+    ignored = {id(p) for p in ignored_params or ()}
+    for param, sites in _parameter_sites(module).values():
+        if id(param) in ignored:
+            continue
+        local = getattr(param, "_tpdp_local", None)
+        if local is None:
+            shard, info = flatten_tensor(param)
+            if info is None:
+                continue
+            local = nn.Parameter(shard, requires_grad=param.requires_grad)
+            local._st_info = info
+        update_module_param([(owner, attr, local) for owner, attr in sites])
+
+
+def reconstruct_dtensor(module: nn.Module, _input=None) -> None:
+    """Rebuild the DTensor of every localized parameter for a forward pass."""
+    for param, sites in _parameter_sites(module).values():
+        info = getattr(param, "_st_info", None)
+        if info is None:
+            continue
+        dtensor = unflatten_tensor(param, info)
+        dtensor._tpdp_local = param
+        update_module_param([(owner, attr, dtensor) for owner, attr in sites])
+
+
+def pre_dp_module_transform(module: nn.Module) -> nn.Module:
+    """Localize now; rebuild DTensors before each forward and localize again after it."""
+    localize_dtensor(module)
+    module.register_forward_pre_hook(reconstruct_dtensor)
+    module.register_forward_hook(localize_dtensor)
+    return module
