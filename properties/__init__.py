@@ -3,6 +3,7 @@
 Each property is documented in docs/properties.md.
 """
 
+from tpdp_verify.properties.registry import paths_resolve, registry_preserved
 from tpdp_verify.properties.roundtrip import flatten_roundtrip
 
-ALL = (flatten_roundtrip,)
+ALL = (flatten_roundtrip, paths_resolve, registry_preserved)

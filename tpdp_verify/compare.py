@@ -27,7 +27,8 @@ def assert_checks(per_rank: list[list[Check]], minimum: int = 1) -> int:
         for check in checks:
             if not check.ok:
                 ranks, _ = failed.setdefault(check.name, ([], check.detail))
-                ranks.append(rank)
+                if rank not in ranks:
+                    ranks.append(rank)
     if failed:
         lines = [
             f"  {name} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): {detail}"

@@ -8,6 +8,7 @@ so that a property whose strategy was filtered away cannot pass silently.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -81,8 +82,8 @@ class Property:
     def replay_code(self, world_size: int, impl: str, drawn: dict) -> str:
         """A script that runs this property once on ``drawn``, outside hypothesis."""
         args = "".join(f", {k}={v!r}" for k, v in drawn.items())
-        types = {type(v) for v in drawn.values() if type(v).__module__ != "builtins"}
-        imports = "".join(f"from {t.__module__} import {t.__qualname__}\n" for t in types)
+        imports = "".join(f"from {t.__module__} import {t.__qualname__}\n"
+                          for t in sorted(_case_types(drawn), key=lambda t: t.__qualname__))
         return (
             "import torch\n"
             "from torch.distributed.tensor import Replicate, Shard\n"
@@ -92,6 +93,18 @@ class Property:
             f"    with RankPool({world_size}) as pool:\n"
             f"        {self.name}.fn(pool, {impl!r}{args})\n"
         )
+
+
+def _case_types(value) -> set[type]:
+    """The project's dataclasses a drawn value is made of, nested ones included."""
+    if dataclasses.is_dataclass(value):
+        fields = (getattr(value, f.name) for f in dataclasses.fields(value))
+        return {type(value)}.union(*map(_case_types, fields))
+    if isinstance(value, (tuple, list)):
+        return set().union(*map(_case_types, value))
+    if isinstance(value, dict):
+        return set().union(*map(_case_types, value.values()))
+    return set()
 
 
 def tpdp_property(*, min_world_size: int = 1, **strategies) -> Callable[[Callable], Property]:

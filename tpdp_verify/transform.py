@@ -131,9 +131,18 @@ def reconstruct_dtensor(module: nn.Module, _input=None) -> None:
         update_module_param([(owner, attr, dtensor) for owner, attr in sites])
 
 
+def _state_dict_of_dtensors(module: nn.Module, state_dict: dict, prefix: str, _metadata) -> None:
+    """A checkpoint taken between forwards holds DTensors, as before the transform."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        info = getattr(param, "_st_info", None)
+        if info is not None and prefix + name in state_dict:
+            state_dict[prefix + name] = unflatten_tensor(state_dict[prefix + name], info)
+
+
 def pre_dp_module_transform(module: nn.Module) -> nn.Module:
     """Localize now; rebuild DTensors before each forward and localize again after it."""
     localize_dtensor(module)
     module.register_forward_pre_hook(reconstruct_dtensor)
     module.register_forward_hook(localize_dtensor)
+    module.register_state_dict_post_hook(_state_dict_of_dtensors)
     return module

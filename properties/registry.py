@@ -1,0 +1,147 @@
+"""Structure: parameter paths resolve to their owners, and the transform keeps the registry.
+
+DDP, ``replicate`` and checkpointing find a model's parameters through its registry
+(``named_parameters()``, ``parameters()``, ``state_dict()``). The TP->DP transform swaps
+parameters in and out of that registry on every forward pass; whatever it loses there,
+the optimizer, the checkpoint or DP itself stops seeing.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from tpdp_verify.compare import Check, assert_checks
+from tpdp_verify.properties.modules import TreeCase, build, count_params, module_trees
+from tpdp_verify.suite import tpdp_property
+
+MODES = st.lists(st.tuples(st.sampled_from(["train", "eval"]), st.booleans()), min_size=1, max_size=3)
+
+
+def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    info = getattr(t, "_st_info", None)  # a localized shard knows the DTensor it stands for
+    return tuple(info.shape if info is not None else t.shape)
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def snapshot(model: torch.nn.Module) -> dict:
+    """What a user relies on in the registry, in comparable form."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    groups: dict[int, list[str]] = {}
+    for name, p in params:
+        groups.setdefault(id(p), []).append(name)
+    return {
+        "parameter names": [n for n, _ in model.named_parameters()],
+        "parameter names, duplicates included": [n for n, _ in params],
+        "global shapes": {n: _global_shape(p) for n, p in params},
+        "requires_grad": {n: p.requires_grad for n, p in params},
+        "tied parameters": sorted(sorted(g) for g in groups.values() if len(g) > 1),
+        "parameters() count": len(list(model.parameters())),
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "state_dict names and global shapes": {k: _global_shape(v) for k, v in model.state_dict().items()},
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def _differences(before: dict, now: dict, stage: str) -> list[Check]:
+    checks = []
+    for key, expected in before.items():
+        got = now[key]
+        ok = _same(expected, got)
+        detail = "" if ok else f"{stage}: expected {_short(expected)}, got {_short(got)}"
+        checks.append(Check(key, ok, detail))
+    return checks
+
+
+def _short(value, limit: int = 300) -> str:
+    text = repr({k: tuple(v.shape) for k, v in value.items()} if isinstance(value, dict) and
+                value and isinstance(next(iter(value.values())), torch.Tensor) else value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def observe_registry(case: TreeCase, modes: list[tuple[str, bool]], impl_name: str) -> list[Check]:
+    """On every rank: transform a model, run forwards in ``modes``, compare the registry."""
+    from tpdp_verify.impl import load
+    from tpdp_verify.pool import device_mesh
+
+    impl = load(impl_name)
+    model = build(case, device_mesh(case.mesh_shape))
+    before = snapshot(model)
+    impl.pre_dp_module_transform(model)
+    checks = _differences(before, snapshot(model), "after the transform")
+    hooks = _hooks(model)
+    x = torch.zeros(())
+    for step, (mode, grad) in enumerate(modes, 1):
+        model.train(mode == "train")
+        with torch.set_grad_enabled(grad):
+            out = model(x)
+        if grad and out.requires_grad:
+            out.backward()
+        stage = f"after forward {step} ({mode}, {'grad' if grad else 'no_grad'})"
+        checks += _differences(before, snapshot(model), stage)
+        checks.append(Check("hooks per step", _hooks(model) == hooks,
+                            f"{stage}: {_hooks(model)} forward hooks, {hooks} after the transform"))
+    return checks
+
+
+@tpdp_property(case=module_trees, modes=MODES)
+def registry_preserved(pool, impl: str, case: TreeCase, modes: list) -> None:
+    """The transform and any forwards keep names, order, global shapes, requires_grad, ties, buffers, state_dict, hooks."""
+    assert_checks(pool.run(observe_registry, case, modes, impl))
+
+
+def observe_paths(case: TreeCase, pick: int, impl_name: str) -> list[Check]:
+    """On every rank: every parameter name resolves to its owner; a replacement touches
+    exactly the slot it names."""
+    from tpdp_verify.impl import load
+    from tpdp_verify.pool import device_mesh
+
+    impl = load(impl_name)
+    model = build(case, device_mesh(case.mesh_shape))
+    params = list(model.named_parameters(remove_duplicate=False))
+    checks = []
+    for name, param in params:
+        prefix, _, attr = name.rpartition(".")
+        owner, got = impl.get_submodule_n_params(model, name)
+        ok = owner is model.get_submodule(prefix) and got == attr and owner._parameters.get(got) is param
+        checks.append(Check("path resolves to the owning module and attribute", ok,
+                            f"{name!r} -> {type(owner).__name__}.{got}"))
+    if not params:
+        return checks
+    name = params[pick % len(params)][0]
+    owner, attr = impl.get_submodule_n_params(model, name)
+    sentinel = torch.nn.Parameter(torch.zeros(1))
+    impl.update_module_param([(owner, attr, sentinel)])
+    after = list(model.named_parameters(remove_duplicate=False))
+    checks.append(Check("replacement keeps every name", sorted(n for n, _ in after) == sorted(n for n, _ in params),
+                        f"replacing {name!r}: names {[n for n, _ in after]}"))
+    checks.append(Check("replacement keeps the registration order", [n for n, _ in after] == [n for n, _ in params],
+                        f"replacing {name!r}: order {[n for n, _ in params]} became {[n for n, _ in after]}"))
+    now = dict(after)
+    for other, param in params:
+        expected = sentinel if model.get_submodule(other.rpartition(".")[0]) is owner and \
+            other.rpartition(".")[2] == attr else param
+        checks.append(Check("replacement touches exactly the named slot", now.get(other) is expected,
+                            f"replacing {name!r} changed {other!r}" if expected is param else
+                            f"replacing {name!r} left {other!r}"))
+    return checks
+
+
+def _trees_with_parameters(world_size: int):
+    return module_trees(world_size).filter(lambda case: count_params(case) > 0)
+
+
+@tpdp_property(case=_trees_with_parameters, pick=st.integers(0, 10**6))
+def paths_resolve(pool, impl: str, case: TreeCase, pick: int) -> None:
+    """Every parameter name resolves to the module and attribute owning it; replacement touches only that slot."""
+    assert_checks(pool.run(observe_paths, case, pick, impl))
