@@ -3,7 +3,11 @@
 Each property is documented in docs/properties.md.
 """
 
-from tpdp_verify.properties.registry import paths_resolve, registry_preserved
+from tpdp_verify.properties.registry import (
+    ignored_params_untouched,
+    paths_resolve,
+    registry_preserved,
+)
 from tpdp_verify.properties.roundtrip import flatten_roundtrip
 
-ALL = (flatten_roundtrip, paths_resolve, registry_preserved)
+ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched)

@@ -27,6 +27,11 @@ def _hooks(model: torch.nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
+def _handles(model: torch.nn.Module) -> list[tuple[str, int, bool]]:
+    return [(n, id(p), isinstance(p, torch.nn.Parameter))
+            for n, p in model.named_parameters(remove_duplicate=False)]
+
+
 def snapshot(model: torch.nn.Module) -> dict:
     """What a user relies on in the registry, in comparable form."""
     params = list(model.named_parameters(remove_duplicate=False))
@@ -80,6 +85,7 @@ def observe_registry(case: TreeCase, modes: list[tuple[str, bool]], impl_name: s
     impl.pre_dp_module_transform(model)
     checks = _differences(before, snapshot(model), "after the transform")
     hooks = _hooks(model)
+    handles = _handles(model)  # what DP and the optimizer captured
     x = torch.zeros(())
     for step, (mode, grad) in enumerate(modes, 1):
         model.train(mode == "train")
@@ -89,6 +95,9 @@ def observe_registry(case: TreeCase, modes: list[tuple[str, bool]], impl_name: s
             out.backward()
         stage = f"after forward {step} ({mode}, {'grad' if grad else 'no_grad'})"
         checks += _differences(before, snapshot(model), stage)
+        checks.append(Check("the registry holds the parameters DP captured", _handles(model) == handles,
+                            f"{stage}: the registry no longer holds the Parameter objects it held "
+                            "after the transform"))
         checks.append(Check("hooks per step", _hooks(model) == hooks,
                             f"{stage}: {_hooks(model)} forward hooks, {hooks} after the transform"))
     return checks
@@ -145,3 +154,36 @@ def _trees_with_parameters(world_size: int):
 def paths_resolve(pool, impl: str, case: TreeCase, pick: int) -> None:
     """Every parameter name resolves to the module and attribute owning it; replacement touches only that slot."""
     assert_checks(pool.run(observe_paths, case, pick, impl))
+
+
+def observe_ignored(case: TreeCase, mask: int, impl_name: str) -> list[Check]:
+    """On every rank: localize with some parameters ignored; those stay exactly as they were."""
+    from torch.distributed.tensor import DTensor
+
+    from tpdp_verify.impl import load
+    from tpdp_verify.pool import device_mesh
+
+    impl = load(impl_name)
+    model = build(case, device_mesh(case.mesh_shape))
+    before = list(model.named_parameters(remove_duplicate=False))
+    ignored = {p for i, (_, p) in enumerate(model.named_parameters()) if mask >> i & 1}
+    impl.localize_dtensor(model, None, ignored_params=ignored)
+    now = dict(model.named_parameters(remove_duplicate=False))
+    checks = [Check("names and their order survive localize", [n for n, _ in before] == list(now),
+                    f"names {[n for n, _ in before]} became {list(now)}")]
+    for name, param in before:
+        got = now.get(name)
+        if param in ignored or not isinstance(param, DTensor):
+            checks.append(Check("ignored and plain parameters stay untouched", got is param,
+                                f"{name!r} was replaced"))
+        else:
+            checks.append(Check("other DTensor parameters are localized",
+                                got is not None and not isinstance(got, DTensor),
+                                f"{name!r} is still a {type(got).__name__}"))
+    return checks
+
+
+@tpdp_property(case=_trees_with_parameters, mask=st.integers(0, 2**24 - 1))
+def ignored_params_untouched(pool, impl: str, case: TreeCase, mask: int) -> None:
+    """localize_dtensor(ignored_params=S) leaves every parameter in S, and plain ones, as they were."""
+    assert_checks(pool.run(observe_ignored, case, mask, impl))

@@ -5,6 +5,7 @@ clause of the contract in tpdp_verify/transform.py and keeps the rest.
 """
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from tpdp_verify import transform
@@ -84,3 +85,108 @@ class CastsToFloat32(Reference):
 
 MUTANTS = [DropsShapeAndStride, ForgetsPlacements, CopiesShard, CutsGradient,
            AlwaysRequiresGrad, WrapsPlainTensors, CastsToFloat32]
+
+
+# -- the module transform ------------------------------------------------------------
+
+
+def _localize(module, ignored_params=None, *, first_site_only=False, trainable=False):
+    """The reference's localize with one clause switchable off."""
+    ignored = {id(p) for p in ignored_params or ()}
+    for param, sites in transform._parameter_sites(module).values():
+        if id(param) in ignored:
+            continue
+        local = getattr(param, "_tpdp_local", None)
+        if local is None:
+            shard, info = transform.flatten_tensor(param)
+            if info is None:
+                continue
+            local = nn.Parameter(shard, requires_grad=trainable or param.requires_grad)
+            local._st_info = info
+        sites = sites[:1] if first_site_only else sites
+        transform.update_module_param([(owner, attr, local) for owner, attr in sites])
+
+
+def _transform_with(localize):
+    def pre_dp_module_transform(module):
+        localize(module)
+        module.register_forward_pre_hook(transform.reconstruct_dtensor)
+        module.register_forward_hook(localize)
+        module.register_state_dict_post_hook(transform._state_dict_of_dtensors)
+        return module
+
+    return staticmethod(pre_dp_module_transform)
+
+
+class ResolvesToRoot(Reference):
+    caught_by = "path resolves to the owning module and attribute"
+
+    @staticmethod
+    def get_submodule_n_params(module, path):
+        return module, path.rpartition(".")[2]
+
+
+class ReplacesByDelattr(Reference):
+    """delattr then setattr, as torch does: the slot moves to the end of _parameters."""
+
+    caught_by = "replacement keeps the registration order"
+
+    @staticmethod
+    def update_module_param(entries):
+        for owner, attr, tensor in entries:
+            delattr(owner, attr)
+            setattr(owner, attr, tensor)
+
+
+class ThawsFrozen(Reference):
+    caught_by = "requires_grad"
+    pre_dp_module_transform = _transform_with(
+        lambda module, *_: _localize(module, trainable=True))
+
+
+class BreaksTies(Reference):
+    caught_by = "tied parameters"
+    pre_dp_module_transform = _transform_with(
+        lambda module, *_: _localize(module, first_site_only=True))
+
+
+class ForgetsIgnored(Reference):
+    caught_by = "ignored and plain parameters stay untouched"
+
+    @staticmethod
+    def localize_dtensor(module, *_, ignored_params=None):
+        _localize(module)
+
+
+class NeverLocalizesAgain(Reference):
+    """No forward hook: DTensors rebuilt for the forward stay in the registry."""
+
+    caught_by = "the registry holds the parameters DP captured"
+
+    @staticmethod
+    def pre_dp_module_transform(module):
+        transform.localize_dtensor(module)
+        module.register_forward_pre_hook(transform.reconstruct_dtensor)
+        module.register_state_dict_post_hook(transform._state_dict_of_dtensors)
+        return module
+
+
+class HookPerForward(Reference):
+    caught_by = "hooks per step"
+
+    @staticmethod
+    def reconstruct_dtensor(module, _input=None):
+        transform.reconstruct_dtensor(module)
+        module.register_forward_hook(lambda *_: None)
+
+    @staticmethod
+    def pre_dp_module_transform(module):
+        transform.localize_dtensor(module)
+        module.register_forward_pre_hook(HookPerForward.reconstruct_dtensor)
+        module.register_forward_hook(transform.localize_dtensor)
+        module.register_state_dict_post_hook(transform._state_dict_of_dtensors)
+        return module
+
+
+MODULE_MUTANTS = [ResolvesToRoot, ReplacesByDelattr, ThawsFrozen, BreaksTies, ForgetsIgnored,
+                  NeverLocalizesAgain, HookPerForward]

@@ -18,6 +18,7 @@ all-gathers the replies, so every rank sees every result.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -28,6 +29,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -131,6 +133,10 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s) -> No
     """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
     global _DEVICE_TYPE
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # DTensor's advice to construct from detached tensors fires inside torch's own
+    # redistribute; on every rank and every example it would bury the report.
+    warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
     try:
         loopback = _loopback_interface()

@@ -1,0 +1,57 @@
+"""The structural properties on real ranks: the reference passes them, torch's divergences
+are found and shrunk, and a mutant of every clause of the module transform is caught."""
+
+import time
+import traceback
+
+import mutants
+import pytest
+
+from tpdp_verify.properties import ignored_params_untouched, paths_resolve, registry_preserved
+from tpdp_verify.suite import Stats
+
+STRUCTURAL = [paths_resolve, registry_preserved, ignored_params_untouched]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("prop", STRUCTURAL, ids=lambda p: p.name)
+def test_reference_satisfies(tpdp_pools, tpdp_profile, prop, world_size):
+    stats = prop.run(tpdp_pools.get(world_size), "reference", tpdp_profile)
+    assert stats.passed >= tpdp_profile.max_examples
+
+
+def _torch_failure(prop, pool, profile):
+    stats = Stats()
+    with pytest.raises(AssertionError) as info:
+        prop.run(pool, "torch", profile, stats)
+    return str(info.value), stats.failing
+
+
+def test_torch_moves_a_replaced_parameter_to_the_end(tpdp_pool, tpdp_profile):
+    message, drawn = _torch_failure(paths_resolve, tpdp_pool, tpdp_profile)
+    assert "replacement keeps the registration order" in message
+    assert len(drawn["case"].root.params) + len(drawn["case"].root.children) == 2
+
+
+def test_torch_empties_the_registry_after_a_forward(tpdp_pool, tpdp_profile):
+    message, drawn = _torch_failure(registry_preserved, tpdp_pool, tpdp_profile)
+    assert "parameter names (ranks 0, 1): after forward 1" in message
+    assert "expected ['l'], got []" in message and len(drawn["modes"]) == 1
+
+
+def test_torch_reorders_parameters_when_localizing_with_ignored_ones(tpdp_pool, tpdp_profile):
+    message, _ = _torch_failure(ignored_params_untouched, tpdp_pool, tpdp_profile)
+    assert "names and their order survive localize" in message
+
+
+@pytest.mark.parametrize("mutant", mutants.MODULE_MUTANTS, ids=lambda m: m.__name__)
+def test_every_module_mutant_is_caught(tpdp_pools, tpdp_profile, mutant):
+    start = time.monotonic()
+    messages = []
+    for prop in STRUCTURAL:
+        try:
+            prop.run(tpdp_pools.get(4), f"mutants.{mutant.__name__}", tpdp_profile)
+        except Exception as exc:  # one failure, or hypothesis's group of distinct ones
+            messages.append("".join(traceback.format_exception(exc)))
+    assert any(f"  {mutant.caught_by} (rank" in m for m in messages), messages
+    assert time.monotonic() - start < 60
