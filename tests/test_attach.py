@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = """
+import sys
 import torch.distributed as dist
 import rank_fns
 from tpdp_verify.errors import RankFailed
@@ -22,8 +23,9 @@ try:
     failed = "no error"
 except RankFailed as exc:
     failed = str(exc).splitlines()[0]
-print(f"rank {dist.get_rank()}: {[r[0] for r in results]} {results[0][2].item()} "
-      f"{ids[0][1:]} | {failed}", flush=True)
+with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as f:  # one file a rank: no interleaving
+    f.write(f"rank {dist.get_rank()}: {[r[0] for r in results]} {results[0][2].item()} "
+            f"{ids[0][1:]} | {failed}")
 pool.close()
 """
 
@@ -34,14 +36,13 @@ def test_pool_runs_on_the_torchrun_group(tmp_path):
     script.write_text(SCRIPT)
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(script)],
+         str(script), str(tmp_path)],
         capture_output=True, text=True, timeout=150,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("rank "))
-    assert len(lines) == 4, out.stdout
-    for rank, line in enumerate(lines):
+    for rank in range(4):
+        line = (tmp_path / f"rank{rank}.txt").read_text()
         assert line == (f"rank {rank}: [0, 1, 2, 3] 6.0 (True, ('dp', 'tp'), 2) | "
                         "`rank_fns.raise_on` raised on rank 1 of 4")
 
