@@ -1,1 +1,1 @@
-"""Single-process oracles (the unsharded model on one device, plain DDP): see issue 4."""
+"""Single-process oracles: the unsharded model on one device, and plain DDP without TP."""

@@ -9,6 +9,7 @@ transform. Ranks load the implementation by name, so it must import there too.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import SimpleNamespace
 
@@ -63,3 +64,33 @@ def load(name: str = "torch") -> SimpleNamespace:
             f"{', '.join(FUNCTIONS)} (see tpdp_verify/transform.py)"
         )
     return SimpleNamespace(name=name, **{f: getattr(source, f) for f in FUNCTIONS})
+
+
+# Where torch's DP entry points look the transform up: DDP(device_mesh=...) and replicate
+# import from ``ddp`` when called, FSDP1's DTensorExtensions bound the two tensor functions
+# at import. Installing an implementation points all of them at it.
+_SITES = {
+    "torch.distributed.tensor.parallel.ddp": FUNCTIONS,
+    "torch.distributed.tensor.parallel._data_parallel_utils": ("flatten_tensor", "unflatten_tensor"),
+    "torch.distributed.tensor.parallel.fsdp": ("flatten_tensor", "unflatten_tensor"),
+}
+
+
+@contextlib.contextmanager
+def installed(implementation: SimpleNamespace):
+    """Make torch's DP entry points call ``implementation``'s transform, inside a rank."""
+    if implementation.name == "torch":
+        yield
+        return
+    importlib.import_module("torch.distributed.fsdp")  # which imports parallel.fsdp without a cycle
+    saved = []
+    try:
+        for module_name, names in _SITES.items():
+            module = importlib.import_module(module_name)
+            for f in names:
+                saved.append((module, f"_{f}", getattr(module, f"_{f}")))
+                setattr(module, f"_{f}", getattr(implementation, f))
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)

@@ -1,0 +1,36 @@
+"""The single-device oracle: the unsharded model, the global batch, one process.
+
+It runs twice: in float32, the baseline whose rounding error earns the tolerance, and in
+float64, the shadow taken as exact (see tpdp_verify.tolerance).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from tpdp_verify.cases import TrainCase
+from tpdp_verify.training import Run, Trace, build, make_optimizer, train
+
+
+class Oracle(NamedTuple):
+    baseline: Trace  # float32
+    shadow: Trace  # float64
+
+
+def run(case: TrainCase, dtype: torch.dtype = torch.float32, capture: bool = False) -> Trace:
+    """The case on one device: every sample of every global batch, no wrapper."""
+    model = build(case, dtype)
+    handles = dict(model.named_parameters(remove_duplicate=False))
+    trace = train(case, Run(model, model, slice(None), handles=handles),
+                  make_optimizer(case, model.parameters()), capture, dtype)
+    if trace.error:  # the oracle is the fixed point: if it cannot train, the case is ours to fix
+        raise RuntimeError(f"the single-device oracle failed on {case!r}: {trace.error}")
+    return trace
+
+
+@functools.lru_cache(maxsize=32)  # shrinking replays a case many times
+def oracle(case: TrainCase, capture: bool = False) -> Oracle:
+    return Oracle(run(case, torch.float32, capture), run(case, torch.float64, capture))

@@ -1,0 +1,85 @@
+"""A training case: plain, printable, picklable data that every rank and the oracle rebuild.
+
+``repr`` of a case is constructor code, so a shrunk falsifying example replays by pasting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpdp_verify.fixtures.zoo import Size
+
+# Data-parallel entry points, in the order the strategy shrinks toward.
+ENTRIES = (
+    "ddp_mesh",         # DistributedDataParallel(model, device_mesh=mesh["dp"])
+    "transform_ddp",    # _pre_dp_module_transform(model), then DDP on the dp process group
+    "replicate",        # composable replicate(model, device_mesh=mesh["dp"])
+    "fully_shard",      # FSDP2 fully_shard(model, mesh=mesh["dp"])
+    "fsdp1",            # FullyShardedDataParallel(model, device_mesh=mesh["dp"]) (DTensorExtensions)
+)
+DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")
+OPTIMIZERS = ("sgd", "adam")
+# When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's
+# parameters, or on the wrapper's parameters after a first (discarded) forward.
+BUILT = ("after_wrap", "before_wrap", "after_forward")
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """Keyword arguments of DistributedDataParallel (and replicate) a case sets."""
+
+    bucket_cap_mb: float | None = None  # tiny values split the gradients over several buckets
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    sync_buffers: bool = True  # broadcast buffers from the dp group's first rank each forward
+
+    def kwargs(self) -> dict:
+        out = {k: v for k, v in vars(self).items() if k not in ("bucket_cap_mb", "sync_buffers")}
+        if self.bucket_cap_mb is not None:
+            out["bucket_cap_mb"] = self.bucket_cap_mb
+        out[_SYNC_BUFFERS] = self.sync_buffers
+        return out
+
+
+def _sync_buffers_name() -> str:
+    """torch 2.13 renamed DDP's ``broadcast_buffers`` (now deprecated, with a warning)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+
+
+_SYNC_BUFFERS = _sync_buffers_name()
+
+
+@dataclass(frozen=True)
+class TrainCase:
+    """One TP+DP training run and the single-device run it must match."""
+
+    model: str = "mlp"                  # a name in tpdp_verify.fixtures.ZOO
+    size: Size = field(default_factory=Size)
+    mesh_shape: tuple[int, int] = (1, 2)  # (dp, tp)
+    entry: str = "ddp_mesh"
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    optimizer: str = "sgd"
+    built: str = "after_wrap"
+    eval_first: bool = False            # a no_grad eval forward before training
+    steps: int = 1                      # optimizer steps
+    accumulate: int = 1                 # microbatches a step; all but the last under no_sync
+    local_batch: int = 2                # samples a dp rank gets per microbatch
+    seed: int = 0
+
+    @property
+    def dp(self) -> int:
+        return self.mesh_shape[0]
+
+    @property
+    def tp(self) -> int:
+        return self.mesh_shape[1]
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.local_batch

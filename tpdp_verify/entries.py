@@ -1,0 +1,85 @@
+"""The data-parallel entry points a TP'd model can go through, inside a rank.
+
+Each ``wrap_<entry>`` takes the TP'd model and the 2-D (dp, tp) mesh and returns the model
+to call forward on, the user's module inside it, and the context that skips gradient
+synchronization for accumulation microbatches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+from torch import nn
+
+from tpdp_verify.cases import TrainCase
+
+
+class Wrapped(NamedTuple):
+    model: nn.Module
+    inner: nn.Module
+    no_sync: object  # () -> context manager
+
+
+def wrap_ddp_mesh(model, case: TrainCase, mesh, impl) -> Wrapped:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, device_mesh=mesh["dp"], **case.ddp.kwargs())
+    return Wrapped(ddp, ddp.module, ddp.no_sync)
+
+
+def wrap_transform_ddp(model, case: TrainCase, mesh, impl) -> Wrapped:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    impl.pre_dp_module_transform(model)
+    ddp = DDP(model, process_group=mesh["dp"].get_group(), **case.ddp.kwargs())
+    return Wrapped(ddp, ddp.module, ddp.no_sync)
+
+
+def wrap_replicate(model, case: TrainCase, mesh, impl) -> Wrapped:
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh["dp"], **case.ddp.kwargs())
+    return Wrapped(model, model, lambda: _replicate_no_sync(model))
+
+
+@contextlib.contextmanager
+def _replicate_no_sync(model):
+    # replicate() has no no_sync(); its DDP state does, once the first forward built it.
+    from torch.distributed._composable.replicate import replicate
+
+    state = replicate.state(model)
+    with state._ddp.no_sync() if getattr(state, "_ddp", None) is not None else contextlib.nullcontext():
+        yield
+
+
+def wrap_fully_shard(model, case: TrainCase, mesh, impl) -> Wrapped:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["dp"])
+    return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    fsdp = FSDP(model, device_mesh=mesh["dp"], use_orig_params=True)
+    return Wrapped(fsdp, fsdp.module, fsdp.no_sync)
+
+
+WRAP = {
+    "ddp_mesh": wrap_ddp_mesh,
+    "transform_ddp": wrap_transform_ddp,
+    "replicate": wrap_replicate,
+    "fully_shard": wrap_fully_shard,
+    "fsdp1": wrap_fsdp1,
+}

@@ -1,0 +1,181 @@
+"""The training loop every run of a case shares: the TP+DP ranks, plain DDP and the oracle.
+
+One loop, so the runs differ only in what they are meant to differ in: how the model is
+wrapped, which rows of the global batch a run sees, and how a value is gathered to its
+full tensor. What a run saw comes back as a ``Trace`` of plain CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpdp_verify.cases import TrainCase
+from tpdp_verify.fixtures.zoo import ZOO, Fixture
+
+LR = {"sgd": 0.1, "adam": 1e-2}
+
+
+@dataclass
+class Trace:
+    """What one run (one rank, or the oracle) observed, step by step."""
+
+    trainable: list[str] = field(default_factory=list)  # names requiring grad before training
+    outputs: list[torch.Tensor] = field(default_factory=list)  # each microbatch, this run's rows
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict] = field(default_factory=list)  # each step: name -> full gradient or None
+    params: list[dict] = field(default_factory=list)  # before training, then after each step
+    state: list[dict] = field(default_factory=list)  # each step: "name: key" -> optimizer state
+    buffers: list[dict] = field(default_factory=list)  # after each step
+    activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
+    error: str = ""  # what the run raised, if it raised
+
+
+@dataclass
+class Run:
+    """How one run drives the shared loop."""
+
+    model: nn.Module  # what forward is called on: a DP wrapper or the plain model
+    inner: nn.Module  # the user's model inside it
+    rows: slice  # this run's rows of every global batch
+    full: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t  # gather a value
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    loss_parallel: bool = False
+    handles: dict = field(default_factory=dict)  # name -> parameter, before the first forward
+    before_wrap: dict = field(default_factory=dict)  # name -> parameter of the TP'd model
+
+
+def fixture(case: TrainCase) -> Fixture:
+    return ZOO[case.model]
+
+
+def build(case: TrainCase, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The unsharded model, identical wherever it is built from the case's seed."""
+    torch.manual_seed(case.seed)
+    return fixture(case).build(case.size).to(dtype)
+
+
+def batches(case: TrainCase, dtype: torch.dtype = torch.float32) -> list[list[dict]]:
+    """Global batches a step, a microbatch each, with a random weight per sample.
+
+    Weighting samples differently is what exposes DP bugs a ``.sum()`` hides: gradients
+    summed instead of averaged, rows routed to the wrong rank, a rank's batch dropped.
+    """
+    fx, gen = fixture(case), torch.Generator().manual_seed(case.seed + 1)
+    steps = []
+    for _ in range(case.steps):
+        micro = []
+        for _ in range(case.accumulate):
+            b = fx.batch(gen, case.global_batch, case.size)
+            b = {k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()}
+            b["weight"] = torch.rand(case.global_batch, generator=gen, dtype=torch.float64).to(dtype)
+            micro.append(b)
+        steps.append(micro)
+    return steps
+
+
+def make_optimizer(case: TrainCase, params) -> torch.optim.Optimizer:
+    params = list(params)
+    if case.optimizer == "adam":
+        return torch.optim.Adam(params, lr=LR["adam"])
+    return torch.optim.SGD(params, lr=LR["sgd"], momentum=0.9)
+
+
+def named(run: Run, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's parameters by name: what it will actually update."""
+    names: dict[int, str] = {}
+    for handles in (run.handles, run.before_wrap):
+        for n, p in handles.items():
+            names.setdefault(id(p), n)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    return {names.get(id(p), f"<unnamed parameter {i}>"): p for i, p in enumerate(held)}
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+@contextlib.contextmanager
+def recording(run: Run, into: list):
+    """Record every module's output, in forward order, while the block runs."""
+
+    def hook(name):
+        def record(module, args, output):
+            t = _first_tensor(output)
+            if t is not None:
+                into.append((name, run.full("", t.detach()).clone()))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in run.inner.named_modules()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _snapshot(run: Run, values: dict) -> dict:
+    return {n: None if v is None else run.full(n, v.detach()).clone() for n, v in values.items()}
+
+
+def _state(run: Run, params: dict, optimizer) -> dict:
+    out = {}
+    for name, p in params.items():
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                out[f"{name}: {key}"] = run.full(name if value.dim() else "", value.detach()).clone()
+    return out
+
+
+def train(case: TrainCase, run: Run, optimizer: torch.optim.Optimizer, capture: bool = False,
+          dtype: torch.dtype = torch.float32) -> Trace:
+    """Run the case's steps; record a Trace. An exception ends the trace with its text."""
+    fx, trace = fixture(case), Trace()
+    trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]
+    params = named(run, optimizer)
+    try:
+        trace.params.append(_snapshot(run, run.handles))
+        data = batches(case, dtype)
+        if case.eval_first:
+            run.model.eval()
+            with torch.no_grad():
+                run.model(data[0][0]["input"][run.rows])
+            run.model.train()
+        for step, micro in enumerate(data):
+            for m, b in enumerate(micro):
+                local = {k: v[run.rows] for k, v in b.items()}
+                sync = contextlib.nullcontext() if m == len(micro) - 1 else run.no_sync()
+                record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
+                with sync, _loss_parallel(run.loss_parallel):
+                    with record:
+                        out = run.model(local["input"])
+                    loss = (local["weight"] * fx.per_sample_loss(out, local)).mean()
+                    loss.backward()
+                trace.outputs.append(run.full("", out.detach()).clone())
+                trace.losses.append(float(run.full("", loss.detach())))
+            trace.grads.append(_snapshot(run, {n: p.grad for n, p in run.handles.items()}))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            trace.params.append(_snapshot(run, run.handles))
+            trace.state.append(_state(run, params, optimizer))
+            trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
+    except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
+        trace.error = "".join(traceback.format_exception_only(exc)).strip()
+    return trace
+
+
+def _loss_parallel(on: bool):
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

@@ -1,0 +1,224 @@
+"""Judging a TP+DP run against an oracle: every value within its bound, every rank agreeing.
+
+``assemble`` turns the ranks' traces into one global trace (the dp groups' rows put back
+together) and checks that replicas agree; ``judge`` compares it with a float32 baseline and
+the float64 shadow, value by value, and returns a ``Verdict`` whose report names what
+departs, by how much, and from which module on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tpdp_verify.cases import TrainCase
+from tpdp_verify.compare import Check
+from tpdp_verify.tolerance import Error, error
+from tpdp_verify.training import Trace
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared value: a parameter's gradient at a step, an output, a state tensor."""
+
+    what: str  # "gradient", "parameter", "optimizer state", "output", "loss", "buffer"
+    step: int  # 1-based optimizer step (microbatch for outputs and losses); 0 = before training
+    name: str
+    err: Error
+
+
+@dataclass
+class Verdict:
+    checks: list[Check] = field(default_factory=list)  # exact, structural comparisons
+    rows: list[Row] = field(default_factory=list)  # comparisons within a bound
+    first_module: str | None = None  # set by localization when values depart
+    against: str = "one device"
+
+    @property
+    def failures(self) -> list:
+        return [c for c in self.checks if not c.ok] + [r for r in self.rows if not r.err.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def report(self, limit: int = 20) -> str:
+        bad_checks = [c for c in self.checks if not c.ok]
+        bad_rows = sorted((r for r in self.rows if not r.err.ok), key=lambda r: (r.step, -r.err.ratio))
+        lines = [f"TP+DP departs from {self.against}: {len(bad_checks)} of {len(self.checks)} checks "
+                 f"and {len(bad_rows)} of {len(self.rows)} values beyond their bound"]
+        if self.first_module is not None:
+            lines.append(f"first module whose output departs (forward order): {self.first_module}")
+        lines += [f"  {c.name}: {c.detail}" for c in bad_checks[:limit]]
+        if bad_rows:
+            lines.append(f"  {'value':<18}{'step':>5}  {'name':<34}{'max abs':>11}{'max rel':>11}"
+                         f"{'bound':>11}{'ratio':>10}")
+            lines += [f"  {r.what:<18}{r.step:>5}  {r.name:<34}{r.err.max_abs:>11.3g}"
+                      f"{r.err.max_rel:>11.3g}{r.err.bound:>11.3g}{r.err.ratio:>10.3g}"
+                      for r in bad_rows[:limit]]
+            if len(bad_rows) > limit:
+                lines.append(f"  ... and {len(bad_rows) - limit} more")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- assembling
+
+
+def _coords(case: TrainCase, rank: int) -> tuple[int, int]:
+    return divmod(rank, case.tp)  # init_device_mesh lays (dp, tp) out row-major
+
+
+def _same(values: list) -> bool:
+    first = values[0]
+    if isinstance(first, dict):
+        return all(isinstance(v, dict) and v.keys() == first.keys()
+                   and all(_same([v[k], first[k]]) for k in first) for v in values)
+    if isinstance(first, list):
+        return all(isinstance(v, list) and len(v) == len(first)
+                   and all(_same([a, b]) for a, b in zip(v, first)) for v in values)
+    if isinstance(first, torch.Tensor):
+        return all(isinstance(v, torch.Tensor) and v.shape == first.shape and torch.equal(v, first)
+                   for v in values)
+    if first is None:
+        return all(v is None for v in values)
+    return all(v == first for v in values)
+
+
+def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
+    """One global trace from the ranks', and the checks that every replica agrees.
+
+    After gathering, every rank holds the same full gradients, parameters and optimizer
+    state (DP keeps replicas in lockstep); ranks of one dp group saw the same rows, so
+    their outputs agree too, and the dp groups' outputs stack to the global batch.
+    """
+    errors = {t.error for t in traces}
+    checks = [Check("every rank trains without an exception", errors == {""},
+                    "; ".join(sorted(e for e in errors if e)))]
+    if errors != {""}:
+        return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
+    for what in ("grads", "params", "state", "buffers", "trainable"):
+        ok = _same([getattr(t, what) for t in traces])
+        checks.append(Check(f"every rank holds the same {what}", ok,
+                            "" if ok else f"ranks disagree on {what} (replicas drifted apart)"))
+    groups: dict[int, list[Trace]] = {}
+    for rank, trace in enumerate(traces):
+        groups.setdefault(_coords(case, rank)[0], []).append(trace)
+    ok = all(_same([t.outputs for t in g]) for g in groups.values())
+    checks.append(Check("tp ranks of a dp group produce the same output", ok,
+                        "" if ok else "tp replicas of one dp group disagree on the output"))
+    first = [groups[d][0] for d in sorted(groups)]
+    whole = Trace(
+        trainable=first[0].trainable,
+        outputs=[torch.cat([t.outputs[i] for t in first]) for i in range(len(first[0].outputs))],
+        losses=[sum(t.losses[i] for t in first) / len(first) for i in range(len(first[0].losses))],
+        grads=first[0].grads, params=first[0].params, state=first[0].state, buffers=first[0].buffers,
+        activations=first[0].activations,
+    )
+    return whole, checks
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, out: Verdict) -> None:
+    missing = sorted(set(shadow) - set(observed))
+    out.checks.append(Check(f"every {what} is there", not missing,
+                            f"step {step}: missing {what} of {', '.join(missing)}"))
+    extra = sorted(set(observed) - set(shadow))
+    out.checks.append(Check(f"no unexpected {what}", not extra, f"step {step}: unexpected {', '.join(extra)}"))
+    for name in shadow:
+        if name not in observed:
+            continue
+        got, base, exact = observed[name], baseline[name], shadow[name]
+        if (got is None) != (exact is None):
+            out.checks.append(Check(f"{what} present where the oracle has one", False,
+                                    f"step {step}: {name}: {'none' if got is None else 'one'} "
+                                    f"where the oracle has {'none' if exact is None else 'one'}"))
+            continue
+        if exact is None:
+            continue
+        if got.shape != exact.shape:
+            out.checks.append(Check(f"{what} shape", False,
+                                    f"step {step}: {name}: shape {tuple(got.shape)}, oracle {tuple(exact.shape)}"))
+            continue
+        out.rows.append(Row(what, step, name, error(got, base, exact)))
+
+
+def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
+          against: str = "one device") -> Verdict:
+    """Compare a global trace with a float32 baseline and the float64 shadow."""
+    v = Verdict(against=against)
+    if observed.error:
+        v.checks.append(Check("trains without an exception", False, observed.error))
+        return v
+    frozen = sorted(set(shadow.params[0]) - set(shadow.trainable))
+    v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,
+                          f"trainable {observed.trainable}, oracle {shadow.trainable}"))
+    for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
+        _values("output", i, {"model": o}, {"model": b}, {"model": s}, v)
+    for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
+        _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v)
+    _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v)
+    for step in range(1, len(shadow.grads) + 1):
+        _values("gradient", step, observed.grads[step - 1], baseline.grads[step - 1], shadow.grads[step - 1], v)
+        _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v)
+        _values("optimizer state", step, observed.state[step - 1], baseline.state[step - 1],
+                shadow.state[step - 1], v)
+        _values("buffer", step, observed.buffers[step - 1], baseline.buffers[step - 1],
+                shadow.buffers[step - 1], v)
+    for name in frozen:
+        kept = all(torch.equal(p[name], observed.params[0][name]) for p in observed.params if name in p)
+        v.checks.append(Check("frozen parameters stay unchanged", kept, f"{name} changed"))
+    for name in shadow.trainable:
+        moved = not torch.equal(shadow.params[-1][name], shadow.params[0][name])
+        got = name in observed.params[-1] and not torch.equal(observed.params[-1][name], observed.params[0][name])
+        v.checks.append(Check("trainable parameters move as in the oracle", got == moved,
+                              f"{name} {'stayed where it was' if moved else 'moved'} over "
+                              f"{len(shadow.grads)} steps; the oracle's {'moved' if moved else 'did not'}"))
+    if len(v.rows) < len(shadow.params[0]):
+        v.checks.append(Check("compared at least one value a parameter", False,
+                              f"compared {len(v.rows)} values for {len(shadow.params[0])} parameters"))
+    return v
+
+
+def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Trace) -> str | None:
+    """The first module, in the order outputs were produced, whose output leaves its bound.
+
+    ``observed`` are the ranks' traces of a run with activations captured. A module's
+    output on a rank is whole (full_tensor of a DTensor, or replicated) or a tp shard; a
+    shard is put back by concatenating the tp ranks' along the dimension that yields the
+    oracle's shape.
+    """
+    groups: dict[int, list[Trace]] = {}
+    for rank, trace in enumerate(observed):
+        groups.setdefault(_coords(case, rank)[0], []).append(trace)
+    n = len(shadow.activations)
+    for i in range(n):
+        name, exact = shadow.activations[i]
+        pieces = []
+        for d in sorted(groups):
+            rows = slice(d * case.local_batch, (d + 1) * case.local_batch)
+            if any(i >= len(t.activations) or t.activations[i][0] != name for t in groups[d]):
+                return name  # the TP+DP run did not run the module the oracle ran here
+            local = [t.activations[i][1] for t in groups[d]]
+            pieces.append(_whole(local, exact[rows].shape))
+        if any(p is None for p in pieces):
+            continue  # an output whose layout cannot be put back; the next module decides
+        got = torch.cat(pieces)
+        if not error(got, baseline.activations[i][1], exact).ok:
+            return name or "<the whole model>"
+    return None
+
+
+def _whole(local: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
+    if local[0].shape == shape:
+        return local[0]
+    for dim in range(len(shape)):
+        try:
+            cat = torch.cat(local, dim)
+        except RuntimeError:
+            continue
+        if cat.shape == shape:
+            return cat
+    return None
