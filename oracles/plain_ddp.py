@@ -6,7 +6,7 @@ way (a DDP matter) or not (the TP->DP composition's).
 
 from __future__ import annotations
 
-from tpdp_verify.cases import DDP_ENTRIES, TrainCase
+from tpdp_verify.cases import DDP_ENTRIES, DDPOptions, TrainCase
 from tpdp_verify.execute import MESH_DIMS, rows
 from tpdp_verify.training import Run, Trace, build, make_optimizer, train
 
@@ -23,7 +23,8 @@ def observe_plain_ddp(case: TrainCase) -> Trace:
 
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
     model = build(case)
-    options = case.ddp.kwargs() if case.entry in DDP_ENTRIES else {}
+    # FSDP needs no word about parameters that get no gradient; DDP does.
+    options = (case.ddp if case.entry in DDP_ENTRIES else DDPOptions(find_unused_parameters=True)).kwargs()
     ddp = DDP(model, process_group=mesh["dp"].get_group(), **options)
     run = Run(ddp, model, rows(case, mesh.get_local_rank("dp")), no_sync=ddp.no_sync,
               handles=dict(model.named_parameters(remove_duplicate=False)))

@@ -28,8 +28,8 @@ def meshes(world_size: int) -> list[tuple[int, int]]:
 
 
 @st.composite
-def ddp_options(draw, model: str) -> DDPOptions:
-    static = draw(st.booleans())
+def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)) -> DDPOptions:
+    static = draw(st.sampled_from(static_graph))
     # DDP's contract: a parameter that gets no gradient needs find_unused_parameters or a
     # static graph, with or without TP. A case outside it would only test DDP's error.
     unused = draw(st.booleans()) or (model == "unused" and not static)
@@ -43,7 +43,8 @@ def ddp_options(draw, model: str) -> DDPOptions:
 
 
 @st.composite
-def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES) -> TrainCase:
+def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
+                built: tuple[str, ...] = BUILT, static_graph: tuple[bool, ...] = (False, True)) -> TrainCase:
     mesh = draw(st.sampled_from(meshes(world_size)))
     model = draw(st.sampled_from(list(ZOO)))
     entry = draw(st.sampled_from(entries))
@@ -52,9 +53,9 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES) -> Tr
         size=draw(ZOO[model].sizes(mesh[1])),
         mesh_shape=mesh,
         entry=entry,
-        ddp=draw(ddp_options(model)) if entry in DDP_ENTRIES else DDPOptions(),
+        ddp=draw(ddp_options(model, static_graph)) if entry in DDP_ENTRIES else DDPOptions(),
         optimizer=draw(st.sampled_from(OPTIMIZERS)),
-        built=draw(st.sampled_from(BUILT)),
+        built=draw(st.sampled_from(built)),
         eval_first=draw(st.booleans()),
         steps=draw(st.integers(1, 3)),
         accumulate=draw(st.integers(1, 2)),
@@ -63,13 +64,20 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES) -> Tr
     )
 
 
-def _localized(verdict: Verdict, pool, impl: str, case: TrainCase, baseline_of) -> Verdict:
-    """Run the case again with every module's output recorded, and name where it departs."""
+def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
+    """Run the case again with every module's output recorded, to name where it departs,
+    and under plain DDP, to say whether DP alone departs too."""
+    from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
+
     traces = pool.run(observe, case, impl, True)
     if not any(t.error for t in traces):
-        baseline, shadow = baseline_of(case)
+        baseline, shadow = oracle(case, capture=True)
         verdict.first_module = localize(traces, case, baseline, shadow)
-    return verdict
+    plain, checks = assemble(case, pool.run(observe_plain_ddp, case))
+    alone = judge(case, plain, *oracle(case))
+    alone.checks[:0] = checks
+    verdict.plain_ddp = "trains like one device: the departure is TP+DP's" if alone.ok else \
+        f"departs too ({alone.kind}): the departure is DP's own"
 
 
 def verdict_one_device(pool, impl: str, case: TrainCase) -> Verdict:
@@ -78,15 +86,14 @@ def verdict_one_device(pool, impl: str, case: TrainCase) -> Verdict:
     verdict = judge(case, whole, baseline, shadow)
     verdict.checks[:0] = checks
     if not verdict.ok:
-        _localized(verdict, pool, impl, case, lambda c: oracle(c, capture=True))
+        _explain(verdict, pool, impl, case)
     return verdict
 
 
 @tpdp_property(min_world_size=2, case=train_cases)
 def trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
     """TP+DP over K steps matches the unsharded model on one device: outputs, gradients, parameters, optimizer state."""
-    verdict = verdict_one_device(pool, impl, case)
-    assert verdict.ok, verdict.report()
+    verdict_one_device(pool, impl, case).raise_if_failed()
 
 
 def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
@@ -107,5 +114,4 @@ def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
 @tpdp_property(min_world_size=2, case=train_cases)
 def trains_like_plain_ddp(pool, impl: str, case: TrainCase) -> None:
     """TP+DP matches plain DDP (no TP) over the same dp groups, within the bound plain DDP earns."""
-    verdict = verdict_plain_ddp(pool, impl, case)
-    assert verdict.ok, verdict.report()
+    verdict_plain_ddp(pool, impl, case).raise_if_failed()

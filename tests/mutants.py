@@ -190,3 +190,66 @@ class HookPerForward(Reference):
 
 MODULE_MUTANTS = [ResolvesToRoot, ReplacesByDelattr, ThawsFrozen, BreaksTies, ForgetsIgnored,
                   NeverLocalizesAgain, HookPerForward]
+
+
+# -- training: what the gradient-equality properties must catch ------------------------
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)  # a view: the DTensor still shares the local shard's storage
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _scales_gradient(factor: float):
+    @staticmethod
+    def unflatten_tensor(local, info):
+        return transform.unflatten_tensor(_ScaleGradient.apply(local, factor), info)
+
+    return unflatten_tensor
+
+
+class ScalesGradientUp(Reference):
+    """Every sharded parameter's gradient times 1 + 1e-3: the tolerance model must see it."""
+
+    caught_by = "gradient beyond its bound"
+    unflatten_tensor = _scales_gradient(1 + 1e-3)
+
+
+class ScalesGradientDown(Reference):
+    caught_by = "gradient beyond its bound"
+    unflatten_tensor = _scales_gradient(1 - 1e-3)
+
+
+class ShiftsShards(Reference):
+    """Rebuilds each DTensor from the next tp rank's layout: right shapes, wrong values."""
+
+    caught_by = "output beyond its bound"
+
+    @staticmethod
+    def unflatten_tensor(local, info):
+        return transform.unflatten_tensor(local.roll(1, 0) if local.dim() else local, info)
+
+
+class StaleAfterFirstStep(Reference):
+    """Reconstructs from the shard it saw first: the optimizer's later updates never reach
+    the forward."""
+
+    caught_by = "output beyond its bound"
+
+    @staticmethod
+    def unflatten_tensor(local, info):
+        frozen = getattr(local, "_tpdp_first", None)
+        if frozen is None:
+            frozen = local._tpdp_first = local.detach().clone()
+        return transform.unflatten_tensor(frozen + (local - local.detach()), info)
+
+
+# Caught by the gradient-equality properties too: what they break shows up in training.
+TRAINING_MUTANTS = [ScalesGradientUp, ScalesGradientDown, ShiftsShards, StaleAfterFirstStep,
+                    CutsGradient, CopiesShard, ForgetsPlacements, ThawsFrozen]

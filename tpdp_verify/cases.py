@@ -14,9 +14,11 @@ ENTRIES = (
     "ddp_mesh",         # DistributedDataParallel(model, device_mesh=mesh["dp"])
     "transform_ddp",    # _pre_dp_module_transform(model), then DDP on the dp process group
     "replicate",        # composable replicate(model, device_mesh=mesh["dp"])
-    "fully_shard",      # FSDP2 fully_shard(model, mesh=mesh["dp"])
-    "fsdp1",            # FullyShardedDataParallel(model, device_mesh=mesh["dp"]) (DTensorExtensions)
 )
+# FSDP2 fully_shard(model, mesh=mesh["dp"]) runs (entries.wrap_fully_shard) but is not drawn
+# yet: gathering some of its unevenly sharded gradients hangs (docs/properties.md). FSDP1
+# (DTensorExtensions) is not wired in yet.
+FSDP_ENTRIES = ("fully_shard",)
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")
 OPTIMIZERS = ("sgd", "adam")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's

@@ -69,17 +69,9 @@ def _fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    fsdp = FSDP(model, device_mesh=mesh["dp"], use_orig_params=True)
-    return Wrapped(fsdp, fsdp.module, fsdp.no_sync)
-
-
 WRAP = {
     "ddp_mesh": wrap_ddp_mesh,
     "transform_ddp": wrap_transform_ddp,
     "replicate": wrap_replicate,
     "fully_shard": wrap_fully_shard,
-    "fsdp1": wrap_fsdp1,
 }

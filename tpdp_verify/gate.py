@@ -29,8 +29,8 @@ class Outcome:
     status: str  # "pass" | "diverges" | "infra"
     seconds: float
     stats: Stats = field(default_factory=Stats)
-    message: str = ""
-    replay: str = ""
+    message: str = ""  # why there is no verdict (infra)
+    findings: list[tuple[str, str]] = field(default_factory=list)  # (failure, replay script)
 
 
 def _failure_text(exc: BaseException, reported: list[str]) -> str:
@@ -48,9 +48,15 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile) 
     except PoolError as exc:
         return Outcome(prop.name, pool.world_size, "infra", time.monotonic() - start, stats, str(exc))
     except Exception as exc:
-        replay = prop.replay_code(pool.world_size, impl, stats.failing) if stats.failing else ""
+        # hypothesis raises a group when it found distinct bugs: one message and replay each
+        found = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
+        findings = []
+        for e in found:
+            drawn = stats.failures.get(type(e).__name__, stats.failing)
+            findings.append((_failure_text(e, reported if len(found) == 1 else []),
+                             prop.replay_code(pool.world_size, impl, drawn) if drawn else ""))
         return Outcome(prop.name, pool.world_size, "diverges", time.monotonic() - start, stats,
-                       _failure_text(exc, reported), replay)
+                       findings=findings)
     return Outcome(prop.name, pool.world_size, "pass", time.monotonic() - start, stats)
 
 
@@ -101,7 +107,11 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
     for o in outcomes:
         if o.status == "pass":
             continue
-        out += ["", f"== {o.property} (world size {o.world_size}): {o.status}", o.message]
-        if o.replay:
-            out += ["-- replay (save as a file and run it with python):", o.replay.rstrip()]
+        out += ["", f"== {o.property} (world size {o.world_size}): {o.status}"]
+        if o.message:
+            out.append(o.message)
+        for i, (failure, replay) in enumerate(o.findings):
+            out += ([""] if i else []) + [failure]
+            if replay:
+                out += ["-- replay (save as a file and run it with python):", replay.rstrip()]
     return "\n".join(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +27,8 @@ class Stats:
     passed: int = 0
     discarded: int = 0  # rejected by assume() or a filter inside the example
     failing: dict | None = None  # drawn arguments of the last failing example (the shrunk one)
+    # the same, a kind of failure (exception type) each: hypothesis shrinks distinct bugs apart
+    failures: dict = field(default_factory=dict)
 
 
 class _PoolBroke(BaseException):
@@ -42,6 +45,10 @@ class Property:
     @property
     def doc(self) -> str:
         return (self.fn.__doc__ or "").strip().splitlines()[0]
+
+    def drawing(self, **strategies) -> "Property":
+        """The same property over other strategies, e.g. a narrower case space."""
+        return dataclasses.replace(self, strategies={**self.strategies, **strategies})
 
     def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None) -> Stats:
         """Run under ``profile`` on ``pool``; raise what hypothesis raises, after shrinking.
@@ -63,6 +70,7 @@ class Property:
                 raise _PoolBroke(exc) from exc
             except BaseException:
                 stats.failing = {k: v for k, v in kwargs.items() if k in self.strategies}
+                stats.failures[type(sys.exc_info()[1]).__name__] = stats.failing
                 raise
             stats.passed += 1
 

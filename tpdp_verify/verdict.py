@@ -8,6 +8,7 @@ departs, by how much, and from which module on.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,28 @@ from tpdp_verify.cases import TrainCase
 from tpdp_verify.compare import Check
 from tpdp_verify.tolerance import Error, error
 from tpdp_verify.training import Trace
+
+
+class Divergence(AssertionError):
+    """TP+DP departs from an oracle.
+
+    Each kind of departure raises a subclass of its own: hypothesis tells bugs apart by the
+    exception's type and where it is raised, so distinct departures are each shrunk and
+    reported instead of the simplest one hiding the rest.
+    """
+
+    kind = "departs from the oracle"
+
+
+_KINDS: dict[str, type[Divergence]] = {}
+
+
+def divergence(kind: str) -> type[Divergence]:
+    """The Divergence subclass for ``kind``, named after it: "every rank trains" -> EveryRankTrains."""
+    if kind not in _KINDS:
+        name = "".join(w.capitalize() for w in re.findall(r"[A-Za-z0-9]+", kind))
+        _KINDS[kind] = type(name, (Divergence,), {"kind": kind, "__module__": __name__})
+    return _KINDS[kind]
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,7 @@ class Verdict:
     rows: list[Row] = field(default_factory=list)  # comparisons within a bound
     first_module: str | None = None  # set by localization when values depart
     against: str = "one device"
+    plain_ddp: str = ""  # on a departure: how plain DDP (no TP) fares on the same case
 
     @property
     def failures(self) -> list:
@@ -43,6 +67,18 @@ class Verdict:
     def ok(self) -> bool:
         return not self.failures
 
+    @property
+    def kind(self) -> str:
+        """What departs first: the first failed check, else the first kind of value."""
+        for c in self.checks:
+            if not c.ok:
+                return c.name
+        return next(f"{r.what} beyond its bound" for r in self.rows if not r.err.ok)
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            raise divergence(self.kind)(self.report())
+
     def report(self, limit: int = 20) -> str:
         bad_checks = [c for c in self.checks if not c.ok]
         bad_rows = sorted((r for r in self.rows if not r.err.ok), key=lambda r: (r.step, -r.err.ratio))
@@ -50,6 +86,8 @@ class Verdict:
                  f"and {len(bad_rows)} of {len(self.rows)} values beyond their bound"]
         if self.first_module is not None:
             lines.append(f"first module whose output departs (forward order): {self.first_module}")
+        if self.plain_ddp:
+            lines.append(f"plain DDP without TP on the same case: {self.plain_ddp}")
         lines += [f"  {c.name}: {c.detail}" for c in bad_checks[:limit]]
         if bad_rows:
             lines.append(f"  {'value':<18}{'step':>5}  {'name':<34}{'max abs':>11}{'max rel':>11}"

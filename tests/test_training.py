@@ -1,0 +1,65 @@
+"""Gradient equality on real ranks: the reference trains like one device and like plain
+DDP through every entry point that exercises the transform, torch 2.13's departures are
+found and shrunk, and every training mutant is caught within a minute."""
+
+import time
+
+import mutants
+import pytest
+
+from tpdp_verify.properties.training import train_cases, trains_like_one_device, trains_like_plain_ddp
+from tpdp_verify.suite import Stats
+from tpdp_verify.verdict import Divergence
+
+# Where the reference transform meets entry points that work as documented: replicate
+# and the other optimizer timings depart whatever the transform, and DDP's static graph
+# with no_sync crashes without TP too (docs/properties.md).
+SOUND = dict(entries=("ddp_mesh", "transform_ddp"), built=("after_wrap",),
+             static_graph=(False,))
+
+
+def sound(prop, **narrower):
+    return prop.drawing(case=lambda ws: train_cases(ws, **{**SOUND, **narrower}))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("prop", [trains_like_one_device, trains_like_plain_ddp], ids=lambda p: p.name)
+def test_reference_trains_exactly(tpdp_pools, tpdp_profile, prop, world_size):
+    stats = sound(prop).run(tpdp_pools.get(world_size), "reference", tpdp_profile)
+    assert stats.passed >= tpdp_profile.max_examples
+
+
+def _divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:
+    stats = Stats()
+    with pytest.raises(Exception) as info:
+        prop.run(pool, impl, profile, stats)
+    found = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else (info.value,)
+    assert all(isinstance(e, Divergence) for e in found), found
+    return list(found), stats
+
+
+def test_torch_optimizer_built_after_a_forward_gets_no_parameters(tpdp_pool, tpdp_profile):
+    prop = sound(trains_like_one_device, entries=("ddp_mesh",), built=("after_forward",))
+    found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    assert any("optimizer got an empty parameter list" in str(e) for e in found), found
+
+
+def test_torch_optimizer_built_before_wrapping_never_steps(tpdp_pool, tpdp_profile):
+    prop = sound(trains_like_one_device, entries=("transform_ddp",), built=("before_wrap",))
+    found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    assert any("stayed where it was" in str(e) and "the departure is TP+DP's" in str(e) for e in found), found
+
+
+def test_torch_replicate_with_a_mesh_never_trains(tpdp_pool, tpdp_profile):
+    prop = sound(trains_like_one_device, entries=("replicate",))
+    found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    assert any("gradient present where the oracle has one" in str(e) for e in found), found
+
+
+@pytest.mark.parametrize("mutant", mutants.TRAINING_MUTANTS, ids=lambda m: m.__name__)
+def test_every_training_mutant_is_caught(tpdp_pools, tpdp_profile, mutant):
+    start = time.monotonic()
+    prop = sound(trains_like_one_device, entries=("transform_ddp",))
+    found, _ = _divergences(prop, tpdp_pools.get(4), f"mutants.{mutant.__name__}", tpdp_profile)
+    assert found
+    assert time.monotonic() - start < 60
