@@ -25,6 +25,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pool.py
+	$(BIN)/python bench/bench_training.py
+	$(BIN)/python bench/bench_tolerance.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,1 +1,1 @@
-"""Single-process oracles: the unsharded model on one device, and plain DDP without TP."""
+"""Single-process oracles: the unsharded model on one device, and plain DP (the case's entry point) without TP."""

@@ -25,7 +25,7 @@ def run(case: TrainCase, dtype: torch.dtype = torch.float32, capture: bool = Fal
     model = build(case, dtype)
     handles = dict(model.named_parameters(remove_duplicate=False))
     trace = train(case, Run(model, model, slice(None), handles=handles),
-                  make_optimizer(case, model.parameters()), capture, dtype)
+                  lambda: make_optimizer(case, model.parameters()), capture, dtype)
     if trace.error:  # the oracle is the fixed point: if it cannot train, the case is ours to fix
         raise RuntimeError(f"the single-device oracle failed on {case!r}: {trace.error}")
     return trace

@@ -27,6 +27,26 @@ def meshes(world_size: int) -> list[tuple[int, int]]:
     return sorted(shapes, key=lambda s: (min(s) == 1, s[0]))
 
 
+# Optimizer timings a DP entry point's own contract rules out, with or without TP: FSDP
+# replaces the parameters when it wraps (both versions' docs: build the optimizer after
+# wrapping), and FSDP2 leaves the root's parameters unsharded after a forward, so an
+# optimizer built then holds those (plain FSDP2 does it too: docs/properties.md).
+# DDP makes no such demand of its users: for DDP these timings are drawn.
+OUTSIDE_CONTRACT = {("fsdp1", "before_wrap"), ("fully_shard", "before_wrap"), ("fully_shard", "after_forward")}
+
+
+def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
+    return [b for b in built if (entry, b) not in OUTSIDE_CONTRACT]
+
+
+def _no_empty_shard(size, tp: int) -> bool:
+    """Every sharded width (dim, hidden; the vocab never has empty shards) gives each tp rank
+    a row. With an empty shard FSDP2 hangs (ranks holding rows wait in a collective the
+    others never enter) and FSDP1 cannot write back: docs/properties.md has both. A hang
+    gives no verdict and cannot be shrunk, so FSDP cases are drawn without empty shards."""
+    return all(-(-n // tp) * (tp - 1) < n for n in (size.dim, size.hidden))  # torch.chunk's split
+
+
 @st.composite
 def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)) -> DDPOptions:
     static = draw(st.sampled_from(static_graph))
@@ -44,18 +64,21 @@ def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)
 
 @st.composite
 def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
-                built: tuple[str, ...] = BUILT, static_graph: tuple[bool, ...] = (False, True)) -> TrainCase:
-    mesh = draw(st.sampled_from(meshes(world_size)))
-    model = draw(st.sampled_from(list(ZOO)))
-    entry = draw(st.sampled_from(entries))
+                built: tuple[str, ...] = BUILT, static_graph: tuple[bool, ...] = (False, True),
+                models: tuple[str, ...] = tuple(ZOO), mesh_shapes: tuple[tuple[int, int], ...] | None = None
+                ) -> TrainCase:
+    """Training cases on ``world_size`` ranks; the keywords narrow the space (tests, bench)."""
+    mesh = draw(st.sampled_from(mesh_shapes or meshes(world_size)))
+    model = draw(st.sampled_from(models))
+    entry = draw(st.sampled_from([e for e in entries if _timings(e, built)]))
     return TrainCase(
         model=model,
-        size=draw(ZOO[model].sizes(mesh[1])),
+        size=draw(ZOO[model].sizes(mesh[1]).filter(lambda s: entry in DDP_ENTRIES or _no_empty_shard(s, mesh[1]))),
         mesh_shape=mesh,
         entry=entry,
         ddp=draw(ddp_options(model, static_graph)) if entry in DDP_ENTRIES else DDPOptions(),
         optimizer=draw(st.sampled_from(OPTIMIZERS)),
-        built=draw(st.sampled_from(built)),
+        built=draw(st.sampled_from(_timings(entry, built))),
         eval_first=draw(st.booleans()),
         steps=draw(st.integers(1, 3)),
         accumulate=draw(st.integers(1, 2)),
@@ -66,7 +89,7 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
 
 def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     """Run the case again with every module's output recorded, to name where it departs,
-    and under plain DDP, to say whether DP alone departs too."""
+    and without TP through the same entry point, to say whether DP alone departs too."""
     from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
 
     traces = pool.run(observe, case, impl, True)
@@ -77,7 +100,16 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     alone = judge(case, plain, *oracle(case))
     alone.checks[:0] = checks
     verdict.plain_ddp = "trains like one device: the departure is TP+DP's" if alone.ok else \
-        f"departs too ({alone.kind}): the departure is DP's own"
+        f"departs too ({alone.kind}): the departure is {case.entry}'s own"
+
+
+def _read() -> bool:
+    """Whether this verdict reaches a reader: outside hypothesis (a replay), or in the final
+    replay of the example hypothesis reports. Explaining costs two more runs on the ranks;
+    the many failing runs of shrinking need none."""
+    from hypothesis.control import current_build_context, currently_in_test_context
+
+    return not currently_in_test_context() or current_build_context().is_final
 
 
 def verdict_one_device(pool, impl: str, case: TrainCase) -> Verdict:
@@ -85,7 +117,7 @@ def verdict_one_device(pool, impl: str, case: TrainCase) -> Verdict:
     baseline, shadow = oracle(case)
     verdict = judge(case, whole, baseline, shadow)
     verdict.checks[:0] = checks
-    if not verdict.ok:
+    if not verdict.ok and _read():
         _explain(verdict, pool, impl, case)
     return verdict
 

@@ -7,14 +7,17 @@ import time
 import mutants
 import pytest
 
+from tpdp_verify.fixtures import ZOO
 from tpdp_verify.properties.training import train_cases, trains_like_one_device, trains_like_plain_ddp
 from tpdp_verify.suite import Stats
 from tpdp_verify.verdict import Divergence
 
-# Where the reference transform meets entry points that work as documented: replicate
-# and the other optimizer timings depart whatever the transform, and DDP's static graph
-# with no_sync crashes without TP too (docs/properties.md).
-SOUND = dict(entries=("ddp_mesh", "transform_ddp"), built=("after_wrap",),
+# Where the reference transform meets entry points that work as documented. Left out,
+# each departing whatever the transform (docs/properties.md): replicate with a mesh
+# never trains; an optimizer built before wrapping holds the DTensors the transform
+# swapped out; DDP's static graph with no_sync crashes without TP too; FSDP1 crashes
+# accumulating under no_sync (in its own writeback, with the reference as with torch).
+SOUND = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard"), built=("after_wrap", "after_forward"),
              static_graph=(False,))
 
 
@@ -26,6 +29,22 @@ def sound(prop, **narrower):
 @pytest.mark.parametrize("prop", [trains_like_one_device, trains_like_plain_ddp], ids=lambda p: p.name)
 def test_reference_trains_exactly(tpdp_pools, tpdp_profile, prop, world_size):
     stats = sound(prop).run(tpdp_pools.get(world_size), "reference", tpdp_profile)
+    assert stats.passed >= tpdp_profile.max_examples
+
+
+def test_reference_trains_exactly_through_fsdp1(tpdp_pools, tpdp_profile):
+    """FSDP1's DTensorExtensions call the transform's flatten/unflatten on every unshard.
+
+    Narrowed to where FSDP1 with TP works whatever the transform (docs/properties.md):
+    no tied weights (their gradients come out wrong), no frozen layer (it trains), no
+    unused branch (FSDP1 gives it zero gradients, without TP too), no empty tp shards
+    (tp 2 and the zoo's sizes keep every shard non-empty; with empty ones FSDP1 cannot
+    write back), one microbatch a step (no_sync crashes)."""
+    models = tuple(m for m in ZOO if m not in ("tied", "frozen", "unused"))
+    prop = trains_like_one_device.drawing(case=lambda ws: train_cases(
+        ws, entries=("fsdp1",), built=("after_wrap",), models=models, mesh_shapes=((2, 2),),
+    ).filter(lambda c: c.accumulate == 1))
+    stats = prop.run(tpdp_pools.get(4), "reference", tpdp_profile)
     assert stats.passed >= tpdp_profile.max_examples
 
 
@@ -54,6 +73,13 @@ def test_torch_replicate_with_a_mesh_never_trains(tpdp_pool, tpdp_profile):
     prop = sound(trains_like_one_device, entries=("replicate",))
     found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
     assert any("gradient present where the oracle has one" in str(e) for e in found), found
+
+
+def test_torch_fsdp1_cannot_accumulate_gradients_under_no_sync(tpdp_pools, tpdp_profile):
+    prop = trains_like_one_device.drawing(case=lambda ws: train_cases(ws, entries=("fsdp1",), built=("after_wrap",)))
+    found, stats = _divergences(prop, tpdp_pools.get(4), "torch", tpdp_profile)
+    assert any("invalid python storage" in str(e) for e in found), found
+    assert any(case.accumulate == 2 for case in (d["case"] for d in stats.failures.values()))
 
 
 @pytest.mark.parametrize("mutant", mutants.TRAINING_MUTANTS, ids=lambda m: m.__name__)

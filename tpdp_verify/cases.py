@@ -14,12 +14,10 @@ ENTRIES = (
     "ddp_mesh",         # DistributedDataParallel(model, device_mesh=mesh["dp"])
     "transform_ddp",    # _pre_dp_module_transform(model), then DDP on the dp process group
     "replicate",        # composable replicate(model, device_mesh=mesh["dp"])
+    "fsdp1",            # FullyShardedDataParallel(model, device_mesh=mesh["dp"]): DTensorExtensions
+    "fully_shard",      # FSDP2 fully_shard(model, mesh=mesh["dp"]): DTensor parameters on the 2-D mesh
 )
-# FSDP2 fully_shard(model, mesh=mesh["dp"]) runs (entries.wrap_fully_shard) but is not drawn
-# yet: gathering some of its unevenly sharded gradients hangs (docs/properties.md). FSDP1
-# (DTensorExtensions) is not wired in yet.
-FSDP_ENTRIES = ("fully_shard",)
-DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")
+DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 OPTIMIZERS = ("sgd", "adam")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's
 # parameters, or on the wrapper's parameters after a first (discarded) forward.

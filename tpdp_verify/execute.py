@@ -1,7 +1,8 @@
 """Run a case on every rank: the TP+DP run under test, and the plain-DDP run beside it.
 
-Functions here are sent to ranks by ``RankPool.run``; each returns the rank's ``Trace``
-with every value gathered to its full tensor, so the parent compares whole tensors.
+Functions here are sent to ranks by ``RankPool.run``; each returns the rank's ``Trace``,
+every value as the rank holds it (a whole tensor or its Piece of one), for the parent to
+put together and compare.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tpdp_verify.cases import TrainCase
+from tpdp_verify.pieces import cut
 from tpdp_verify.training import Run, Trace, build, fixture, make_optimizer, train
 
 MESH_DIMS = ("dp", "tp")
@@ -21,33 +23,43 @@ def rows(case: TrainCase, dp_rank: int) -> slice:
     return slice(dp_rank * case.local_batch, (dp_rank + 1) * case.local_batch)
 
 
-def gatherer(specs: dict):
-    """``full(name, value)``: the global tensor behind a rank's value.
+def parter(specs: dict):
+    """``part(name, value)``: the Piece of a global value this rank holds, for the parent to
+    put together (tpdp_verify.pieces).
 
     A value is a DTensor, or a local shard of the parameter ``name`` whose layout was
     recorded from the TP'd model before any DP wrapper touched it (so a transform that
-    garbles its own record of the layout cannot fool the gathering), or already whole.
-    Every rank calls it for the same names in the same order: it may be a collective.
+    garbles its own record of the layout cannot fool the assembly), or already whole.
+    A Partial layout (a pending sum, which no parameter, gradient or state should have)
+    is gathered here, by every rank that holds the value.
     """
 
-    def full(name: str, value: torch.Tensor) -> torch.Tensor:
+    def part(name: str, value: torch.Tensor):
         if isinstance(value, DTensor):
-            return value.full_tensor()
+            piece = cut(value.to_local(), value.device_mesh, value.placements, value.shape)
+            return value.full_tensor() if piece is None else piece
         spec = specs.get(name)
         if spec is None:
             return value
+        piece = cut(value, spec.mesh, spec.placements, spec.shape)
+        if piece is not None:
+            return piece
         return DTensor.from_local(value, spec.mesh, spec.placements, run_check=False,
                                   shape=spec.shape, stride=spec.stride).full_tensor()
 
-    return full
+    return part
 
 
 def _failed(stage: str, exc: Exception) -> Trace:
     return Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip())
 
 
-def observe(case: TrainCase, impl_name: str, capture: bool = False) -> Trace:
-    """On every rank: TP on the tp sub-mesh, the case's DP entry point, K steps."""
+def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = True) -> Trace:
+    """On every rank: TP on the tp sub-mesh, the case's DP entry point, K steps.
+
+    With ``tp=False`` the unsharded model goes through the same entry point on the same
+    dp groups (the transform finds no DTensor and does nothing): the plain-DP oracle.
+    """
     from torch.distributed.tensor.parallel import parallelize_module
 
     from tpdp_verify.entries import WRAP
@@ -58,38 +70,26 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False) -> Trace:
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
     with installed(impl):
         model = build(case)
-        parallelize_module(model, mesh["tp"], fx.plan(case.size))
-        if fx.after_parallelize is not None:
-            fx.after_parallelize(model)
+        if tp:
+            parallelize_module(model, mesh["tp"], fx.plan(case.size))
+            if fx.after_parallelize is not None:
+                fx.after_parallelize(model)
         before = dict(model.named_parameters(remove_duplicate=False))
         specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)}
-        optimizer = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
+        # Built here, on the TP'd model, when the case builds it before the DP wrapper.
+        early = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
         try:
             wrapped = WRAP[case.entry](model, case, mesh, impl)
         except Exception as exc:
             return _failed(f"wrapping with {case.entry}", exc)
         run = Run(wrapped.model, wrapped.inner, rows(case, mesh.get_local_rank("dp")),
-                  full=gatherer(specs), no_sync=wrapped.no_sync, loss_parallel=fx.loss_parallel,
+                  part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fx.loss_parallel,
                   handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
-                  before_wrap=before)
-        try:
-            optimizer = optimizer or _optimizer_for(case, run)
-        except Exception as exc:
-            return _failed(f"building the optimizer {case.built.replace('_', ' ')}", exc)
-        return train(case, run, optimizer, capture)
-
-
-def _optimizer_for(case: TrainCase, run: Run) -> torch.optim.Optimizer:
-    if case.built == "after_forward":
-        from tpdp_verify.training import batches
-
-        with torch.no_grad():
-            run.model(batches(case)[0][0]["input"][run.rows])
-    return make_optimizer(case, run.model.parameters())
+                  before_wrap=before, whole_params=wrapped.whole_params,
+                  state_unobserved=wrapped.state_unobserved)
+        return train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
 
 
 def observe_both(case: TrainCase, impl_name: str) -> tuple[Trace, Trace]:
-    """The TP+DP run and the plain-DDP run, in one call to the ranks."""
-    from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
-
-    return observe(case, impl_name), observe_plain_ddp(case)
+    """The TP+DP run and the plain-DP run, in one call to the ranks."""
+    return observe(case, impl_name), observe(case, "torch", tp=False)

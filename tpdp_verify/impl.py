@@ -76,6 +76,19 @@ _SITES = {
 }
 
 
+def _at_site(module_name: str, f: str, implementation: SimpleNamespace):
+    """``implementation``'s function ``f`` as torch's call site in ``module_name`` calls it.
+
+    FSDP1's DTensorExtensions call ``_unflatten_tensor(t, spec, device_handle=...,
+    compute_stream=...)``: stream bookkeeping for CUDA that is not part of the transform's
+    contract, so an implementation under test is called without it.
+    """
+    fn = getattr(implementation, f)
+    if module_name.endswith(".fsdp") and f == "unflatten_tensor":
+        return lambda tensor, info, **_streams: fn(tensor, info)
+    return fn
+
+
 @contextlib.contextmanager
 def installed(implementation: SimpleNamespace):
     """Make torch's DP entry points call ``implementation``'s transform, inside a rank."""
@@ -89,7 +102,7 @@ def installed(implementation: SimpleNamespace):
             module = importlib.import_module(module_name)
             for f in names:
                 saved.append((module, f"_{f}", getattr(module, f"_{f}")))
-                setattr(module, f"_{f}", getattr(implementation, f))
+                setattr(module, f"_{f}", _at_site(module_name, f, implementation))
         yield
     finally:
         for module, attr, value in reversed(saved):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-SAFETY = 16.0
+SAFETY = 32.0
 
 
 @dataclass(frozen=True)

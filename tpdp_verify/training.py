@@ -1,8 +1,9 @@
 """The training loop every run of a case shares: the TP+DP ranks, plain DDP and the oracle.
 
 One loop, so the runs differ only in what they are meant to differ in: how the model is
-wrapped, which rows of the global batch a run sees, and how a value is gathered to its
-full tensor. What a run saw comes back as a ``Trace`` of plain CPU tensors.
+wrapped, which rows of the global batch a run sees, and which part of each global value
+a rank holds. What a run saw comes back as a ``Trace`` of plain CPU tensors and Pieces
+(tpdp_verify.pieces), which the parent puts together.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ class Trace:
     trainable: list[str] = field(default_factory=list)  # names requiring grad before training
     outputs: list[torch.Tensor] = field(default_factory=list)  # each microbatch, this run's rows
     losses: list[float] = field(default_factory=list)
-    grads: list[dict] = field(default_factory=list)  # each step: name -> full gradient or None
+    grads: list[dict] = field(default_factory=list)  # each step: name -> gradient (or its Piece) or None
     params: list[dict] = field(default_factory=list)  # before training, then after each step
     state: list[dict] = field(default_factory=list)  # each step: "name: key" -> optimizer state
     buffers: list[dict] = field(default_factory=list)  # after each step
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
     error: str = ""  # what the run raised, if it raised
+    state_unobserved: str = ""  # why the optimizer state was not read, where it was not
 
 
 @dataclass
@@ -43,11 +45,16 @@ class Run:
     model: nn.Module  # what forward is called on: a DP wrapper or the plain model
     inner: nn.Module  # the user's model inside it
     rows: slice  # this run's rows of every global batch
-    full: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t  # gather a value
+    part: Callable[[str, torch.Tensor], object] = lambda name, t: t  # a value as this rank holds it
     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     loss_parallel: bool = False
     handles: dict = field(default_factory=dict)  # name -> parameter, before the first forward
     before_wrap: dict = field(default_factory=dict)  # name -> parameter of the TP'd model
+    # Where the wrapper keeps parameters flat-sharded (FSDP1): a context that makes them
+    # whole, yielding name -> parameter (with its gradient); and why their optimizer state,
+    # flat-sharded too, is not read.
+    whole_params: Callable[[], contextlib.AbstractContextManager] | None = None
+    state_unobserved: str = ""
 
 
 def fixture(case: TrainCase) -> Fixture:
@@ -112,7 +119,7 @@ def recording(run: Run, into: list):
         def record(module, args, output):
             t = _first_tensor(output)
             if t is not None:
-                into.append((name, run.full("", t.detach()).clone()))
+                into.append((name, whole(t.detach()).clone()))
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in run.inner.named_modules()]
@@ -123,8 +130,19 @@ def recording(run: Run, into: list):
             h.remove()
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank calls it alike), a tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _snapshot(run: Run, values: dict) -> dict:
-    return {n: None if v is None else run.full(n, v.detach()).clone() for n, v in values.items()}
+    return {n: None if v is None else run.part(n, v.detach().clone()) for n, v in values.items()}
+
+
+def _params(run: Run):
+    return run.whole_params() if run.whole_params else contextlib.nullcontext(run.handles)
 
 
 def _state(run: Run, params: dict, optimizer) -> dict:
@@ -132,24 +150,42 @@ def _state(run: Run, params: dict, optimizer) -> dict:
     for name, p in params.items():
         for key, value in sorted(optimizer.state.get(p, {}).items()):
             if isinstance(value, torch.Tensor):
-                out[f"{name}: {key}"] = run.full(name if value.dim() else "", value.detach()).clone()
+                out[f"{name}: {key}"] = run.part(name if value.dim() else "", value.detach().clone())
     return out
 
 
-def train(case: TrainCase, run: Run, optimizer: torch.optim.Optimizer, capture: bool = False,
-          dtype: torch.dtype = torch.float32) -> Trace:
-    """Run the case's steps; record a Trace. An exception ends the trace with its text."""
-    fx, trace = fixture(case), Trace()
-    trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]
-    params = named(run, optimizer)
+def _built(case: TrainCase, run: Run, data: list, new_optimizer: Callable[[], torch.optim.Optimizer]
+           ) -> torch.optim.Optimizer:
+    """The optimizer; a case that builds it after a forward first makes a no_grad forward,
+    in every run alike (it moves buffers such as step counters)."""
+    if case.built == "after_forward":
+        with torch.no_grad():
+            run.model(data[0][0]["input"][run.rows])
     try:
-        trace.params.append(_snapshot(run, run.handles))
+        return new_optimizer()
+    except Exception as exc:
+        raise RuntimeError(f"building the optimizer {case.built.replace('_', ' ')}: "
+                           + "".join(traceback.format_exception_only(exc)).strip()) from None
+
+
+def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Optimizer],
+          capture: bool = False, dtype: torch.dtype = torch.float32) -> Trace:
+    """Run the case's steps; record a Trace. An exception ends the trace with its text."""
+    fx, trace = fixture(case), Trace(state_unobserved=run.state_unobserved)
+    trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]
+    try:
+        with _params(run) as current:
+            trace.params.append(_snapshot(run, current))
         data = batches(case, dtype)
+        # Before any forward unless built after one: FSDP2 unshards the root in a forward.
+        optimizer = None if case.built == "after_forward" else _built(case, run, data, new_optimizer)
         if case.eval_first:
             run.model.eval()
             with torch.no_grad():
                 run.model(data[0][0]["input"][run.rows])
             run.model.train()
+        optimizer = optimizer or _built(case, run, data, new_optimizer)
+        params = named(run, optimizer)
         for step, micro in enumerate(data):
             for m, b in enumerate(micro):
                 local = {k: v[run.rows] for k, v in b.items()}
@@ -160,13 +196,15 @@ def train(case: TrainCase, run: Run, optimizer: torch.optim.Optimizer, capture: 
                         out = run.model(local["input"])
                     loss = (local["weight"] * fx.per_sample_loss(out, local)).mean()
                     loss.backward()
-                trace.outputs.append(run.full("", out.detach()).clone())
-                trace.losses.append(float(run.full("", loss.detach())))
-            trace.grads.append(_snapshot(run, {n: p.grad for n, p in run.handles.items()}))
+                trace.outputs.append(whole(out.detach()).clone())
+                trace.losses.append(float(whole(loss.detach())))
+            with _params(run) as current:
+                trace.grads.append(_snapshot(run, {n: p.grad for n, p in current.items()}))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            trace.params.append(_snapshot(run, run.handles))
-            trace.state.append(_state(run, params, optimizer))
+            with _params(run) as current:
+                trace.params.append(_snapshot(run, current))
+            trace.state.append({} if run.state_unobserved else _state(run, params, optimizer))
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
         trace.error = "".join(traceback.format_exception_only(exc)).strip()

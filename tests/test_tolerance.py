@@ -1,0 +1,71 @@
+"""The tolerance model on its own: a reordered float32 computation stays within the bound
+its baseline earns, a value off by a relative 1e-3 does not, and the edge cases (exact
+baselines, empty and non-finite values) say what they should.
+
+The same two claims are measured on real TP+DP runs by bench/bench_tolerance.py
+(docs/tolerance.md)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpdp_verify.tolerance import SAFETY, bound, error
+
+SETTINGS = settings(max_examples=200, derandomize=True, database=None, deadline=None)
+
+
+def _matmul_three_ways(seed: int, rows: int, inner: int, cols: int, chunks: int):
+    """y = x @ w in float64 (the shadow), in float32 at once (the baseline), and in float32
+    as tensor parallelism computes it: the inner dimension split in ``chunks`` partial
+    products, summed afterwards (RowwiseParallel's all-reduce)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
+    w = torch.randn(inner, cols, generator=gen, dtype=torch.float64)
+    shadow = x @ w
+    baseline = x.float() @ w.float()
+    parts = [a.float() @ b.float() for a, b in zip(x.chunk(chunks, 1), w.chunk(chunks, 0))]
+    return sum(parts[1:], parts[0]), baseline, shadow
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 8), inner=st.integers(1, 64),
+       cols=st.integers(1, 8), chunks=st.integers(1, 8))
+def test_a_reordered_float32_sum_stays_within_the_bound(seed, rows, inner, cols, chunks):
+    observed, baseline, shadow = _matmul_three_ways(seed, rows, inner, cols, chunks)
+    err = error(observed, baseline, shadow)
+    assert err.ok, err
+
+
+@pytest.mark.parametrize("factor", [1 + 1e-3, 1 - 1e-3])
+@SETTINGS
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 8), inner=st.integers(1, 64),
+       cols=st.integers(1, 8), chunks=st.integers(1, 8))
+def test_a_value_scaled_by_one_part_in_a_thousand_is_caught(factor, seed, rows, inner, cols, chunks):
+    observed, baseline, shadow = _matmul_three_ways(seed, rows, inner, cols, chunks)
+    err = error(observed * factor, baseline, shadow)
+    assert not err.ok and err.ratio > 10, err
+
+
+def test_an_exact_baseline_still_earns_a_bound_of_a_few_ulps():
+    shadow = torch.tensor([1.0, -4.0], dtype=torch.float64)
+    assert bound(shadow.float(), shadow) == pytest.approx(SAFETY * torch.finfo(torch.float32).eps * 4.0)
+    assert error(shadow.float() * (1 + 1e-6), shadow.float(), shadow).ok
+    assert not error(shadow.float() * (1 + 1e-5), shadow.float(), shadow).ok
+
+
+def test_the_bound_follows_the_dtype_of_the_run():
+    shadow = torch.tensor([1.0], dtype=torch.float64)
+    assert bound(shadow, shadow, torch.bfloat16) / bound(shadow, shadow, torch.float32) == \
+        pytest.approx(torch.finfo(torch.bfloat16).eps / torch.finfo(torch.float32).eps)
+
+
+def test_non_finite_and_empty_values():
+    shadow = torch.ones(3, dtype=torch.float64)
+    nan = error(torch.tensor([1.0, float("nan"), 1.0]), shadow.float(), shadow)
+    assert not nan.ok and nan.ratio == float("inf")
+    empty = error(torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.float64))
+    assert empty.ok and empty.max_abs == 0.0
+    zero = error(torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    assert zero.ok and zero.bound == 0.0
+    assert not error(torch.tensor([0.0, 1e-30]), torch.zeros(2), torch.zeros(2, dtype=torch.float64)).ok
