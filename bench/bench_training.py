@@ -27,14 +27,11 @@ import torch
 from hypothesis import Phase, given, settings
 
 from tpdp_verify.pool import RankPool
-from tpdp_verify.properties.training import train_cases, verdict_one_device
+from tpdp_verify.properties.training import SOUND, train_cases, verdict_one_device
 
 TARGET = 10.0
 SMALL = ("mlp", "nested", "tied", "frozen", "unused", "uneven", "buffers")
 LLAMA = ("llama", "llama_sp", "llama_lm")
-# The entry points and timings where the reference trains as documented (tests/test_training.py).
-SOUND = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard"), built=("after_wrap", "after_forward"),
-             static_graph=(False,))
 
 
 def draw(n: int, **narrow) -> list:

@@ -9,7 +9,11 @@ from tpdp_verify.properties.registry import (
     registry_preserved,
 )
 from tpdp_verify.properties.roundtrip import flatten_roundtrip
-from tpdp_verify.properties.training import trains_like_one_device, trains_like_plain_ddp
+from tpdp_verify.properties.training import (
+    entry_points_train_like_one_device,
+    trains_like_one_device,
+    trains_like_plain_ddp,
+)
 
 ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched,
-       trains_like_one_device, trains_like_plain_ddp)
+       trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device)

@@ -69,3 +69,17 @@ def test_non_finite_and_empty_values():
     zero = error(torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.float64))
     assert zero.ok and zero.bound == 0.0
     assert not error(torch.tensor([0.0, 1e-30]), torch.zeros(2), torch.zeros(2, dtype=torch.float64)).ok
+
+
+def test_rounding_noise_around_zero_earns_one_ulp_of_the_scale_of_its_kind():
+    """A gradient that is zero but for rounding (wq and wk when every token of a sample is
+    the same: llama_lm with vocab 2) against a baseline that cancelled exactly by luck."""
+    shadow = torch.zeros(3, dtype=torch.float64)
+    noise = torch.tensor([1e-9, -1e-9, 0.0])
+    assert not error(noise, shadow.float(), shadow).ok
+    assert error(noise, shadow.float(), shadow, scale=0.3).ok
+
+
+def test_the_scale_leaves_a_small_value_scaled_by_one_part_in_a_thousand_caught():
+    shadow = torch.full((3,), 3e-4, dtype=torch.float64)  # a thousandth of the scale
+    assert not error(shadow.float() * (1 + 1e-3), shadow.float(), shadow, scale=0.3).ok

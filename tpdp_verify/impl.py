@@ -2,9 +2,9 @@
 
 ``load("torch")`` (the default) binds torch's private functions, ``load("reference")``
 binds tpdp_verify.transform, and any other name is a dotted path to a module, or to an
-object in a module, that defines the same functions under the names in ``FUNCTIONS``
-(torch's names without the leading underscore): a patched torch or a user's own
-transform. Ranks load the implementation by name, so it must import there too.
+object in a module (a class is instantiated), that defines the same functions under the
+names in ``FUNCTIONS`` (torch's names without the leading underscore): a patched torch, a
+user's own transform, or a subclass of ``tpdp_verify.transform.Transform``. Ranks load the implementation by name, so it must import there too.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def load(name: str = "torch") -> SimpleNamespace:
             f"implementation {name!r} does not import ({exc}); give torch, reference or an "
             "importable dotted path"
         ) from None
+    if isinstance(source, type):
+        source = source()
     missing = [f for f in FUNCTIONS if not callable(getattr(source, f, None))]
     if missing:
         raise UsageError(

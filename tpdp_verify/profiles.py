@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from tpdp_verify.errors import UsageError
 
@@ -20,10 +20,14 @@ class Profile:
     name: str
     max_examples: int
     world_sizes: tuple[int, ...]
+    shrink: bool = True  # False: stop at the first failing example (how fast is a fault found)
 
     @property
     def settings(self) -> settings:
-        return settings.get_profile(f"tpdp-{self.name}")
+        registered = settings.get_profile(f"tpdp-{self.name}")
+        if self.shrink:
+            return registered
+        return settings(registered, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
 PROFILES = {

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis.errors import UnsatisfiedAssumption
 
 from tpdp_verify.errors import PoolError
@@ -41,6 +41,9 @@ class Property:
     fn: Callable
     strategies: dict = field(repr=False)
     min_world_size: int = 1
+    # (world size's strategies) -> explicit examples run before any drawn one: cases a
+    # profile must reach whatever hypothesis draws (the simplest case of every zoo model)
+    cover: Callable[[dict], list[dict]] | None = field(default=None, repr=False)
 
     @property
     def doc(self) -> str:
@@ -59,7 +62,7 @@ class Property:
         stats = Stats() if stats is None else stats
 
         @functools.wraps(self.fn)  # hypothesis seeds and names the test from the property
-        def example(*args, **kwargs):
+        def run_one(*args, **kwargs):
             stats.examples += 1
             try:
                 self.fn(*args, **kwargs)
@@ -75,7 +78,10 @@ class Property:
             stats.passed += 1
 
         strategies = {k: s(pool.world_size) if callable(s) else s for k, s in self.strategies.items()}
-        test = profile.settings(given(**strategies)(example))
+        test = given(**strategies)(run_one)
+        for covered in self.cover(strategies) if self.cover else ():
+            test = example(**covered)(test)
+        test = profile.settings(test)
         try:
             test(pool, impl)
         except _PoolBroke as broke:
@@ -115,14 +121,15 @@ def _case_types(value) -> set[type]:
     return set()
 
 
-def tpdp_property(*, min_world_size: int = 1, **strategies) -> Callable[[Callable], Property]:
+def tpdp_property(*, min_world_size: int = 1, cover: Callable[[dict], list[dict]] | None = None,
+                  **strategies) -> Callable[[Callable], Property]:
     """Declare ``fn(pool, impl, **drawn)`` a property with strategies for ``drawn``.
 
     A strategy may also be a function of the pool's world size, for cases (mesh shapes)
-    that depend on it.
+    that depend on it. ``cover`` gives explicit examples from the strategies (see Property).
     """
 
     def declare(fn: Callable) -> Property:
-        return Property(fn.__name__, fn, strategies, min_world_size)
+        return Property(fn.__name__, fn, strategies, min_world_size, cover)
 
     return declare

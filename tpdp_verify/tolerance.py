@@ -6,11 +6,14 @@ computation (one device, or plain DDP) has some error against it; reordering the
 float32 sums (TP splits a matmul's reduction, DP averages over ranks) moves the result by
 errors of the same size. So the TP+DP run may be off the shadow by at most
 
-    bound = SAFETY * (max|baseline - shadow| + eps(dtype) * max|shadow|)
+    bound = SAFETY * (max|baseline - shadow| + eps(dtype) * max|shadow|) + eps(dtype) * scale
 
-where the eps term keeps the bound honest when the baseline is exact by luck. A value off
-by a relative 1e-3 is far outside it: see docs/tolerance.md for the derivation and for
-the measurements behind SAFETY.
+where the first eps term keeps the bound honest when the baseline is exact by luck, and
+``scale`` is the largest magnitude among all values of the same kind at the same step
+(every gradient of the model at step k): a value that is zero but for rounding, whose
+float32 noise comes from cancelling terms as large as its neighbours, is allowed one unit
+in the last place of that scale. A value off by a relative 1e-3 is far outside the bound:
+see docs/tolerance.md for the derivation and for the measurements behind SAFETY.
 """
 
 from __future__ import annotations
@@ -41,18 +44,21 @@ class Error:
         return self.ratio <= 1.0
 
 
-def bound(baseline: torch.Tensor, shadow: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+def bound(baseline: torch.Tensor, shadow: torch.Tensor, dtype: torch.dtype = torch.float32,
+          scale: float = 0.0) -> float:
     shadow = shadow.double()
     if shadow.numel() == 0:
         return 0.0
+    eps = torch.finfo(dtype).eps
     baseline_error = (baseline.double() - shadow).abs().max().item()
-    return SAFETY * (baseline_error + torch.finfo(dtype).eps * shadow.abs().max().item())
+    return SAFETY * (baseline_error + eps * shadow.abs().max().item()) + eps * scale
 
 
 def error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
-          dtype: torch.dtype = torch.float32) -> Error:
+          dtype: torch.dtype = torch.float32, scale: float = 0.0) -> Error:
     """``observed`` against ``shadow``, bounded by how far ``baseline`` is from it.
 
+    ``scale``: the largest magnitude among the values of this kind at this step (see above).
     Shapes must agree; the caller reports a shape mismatch as a failed check.
     """
     shadow = shadow.double()
@@ -60,6 +66,6 @@ def error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
         return Error(0.0, 0.0, 0.0)
     diff = (observed.double() - shadow).abs()
     max_abs = float("inf") if not torch.isfinite(diff).all() else diff.max().item()
-    scale = shadow.abs().max().item()
-    return Error(max_abs, max_abs / scale if scale else (0.0 if max_abs == 0 else float("inf")),
-                 bound(baseline, shadow, dtype))
+    largest = shadow.abs().max().item()
+    return Error(max_abs, max_abs / largest if largest else (0.0 if max_abs == 0 else float("inf")),
+                 bound(baseline, shadow, dtype, scale))

@@ -18,11 +18,14 @@ constant number of hooks.
 
 This module is torch's independent twin: it uses only public DTensor API (and a module's
 ``_parameters`` slots), so a divergence between the two points at one of them, never at
-shared code.
+shared code. The functions are methods of ``Transform`` and the module transform calls the
+tensor functions through ``self``, so an implementation that changes one of them (a
+subclass: tests/mutants.py) changes it wherever a real implementation would feel it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -41,108 +44,122 @@ class ShardingInfo(NamedTuple):
     stride: tuple[int, ...]
 
 
-def flatten_tensor(t: torch.Tensor) -> tuple[torch.Tensor, ShardingInfo | None]:
-    if not isinstance(t, DTensor):
-        return t, None
-    with torch.no_grad():
-        shard = t.to_local()
-    local = shard.detach().requires_grad_(t.requires_grad)
-    return local, ShardingInfo(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+class Transform:
+    """The reference: one method for each function in tpdp_verify.impl.FUNCTIONS."""
 
+    # -- the tensor transform --------------------------------------------------------
 
-def unflatten_tensor(local: torch.Tensor, info: ShardingInfo) -> DTensor:
-    return DTensor.from_local(
-        local, info.mesh, info.placements, run_check=False, shape=info.shape, stride=info.stride
-    )
+    def flatten_tensor(self, t: torch.Tensor) -> tuple[torch.Tensor, ShardingInfo | None]:
+        if not isinstance(t, DTensor):
+            return t, None
+        with torch.no_grad():
+            shard = t.to_local()
+        local = shard.detach().requires_grad_(t.requires_grad)
+        return local, ShardingInfo(t.device_mesh, tuple(t.placements), t.shape, t.stride())
 
-
-# -- the module transform ----------------------------------------------------------
-
-
-def get_submodule_n_params(module: nn.Module, path: str) -> tuple[nn.Module, str]:
-    """The module that owns the parameter named ``path`` and its attribute name there."""
-    prefix, _, attr = path.rpartition(".")
-    try:
-        owner = module.get_submodule(prefix)
-    except AttributeError as exc:
-        raise LookupError(f"parameter {path!r}: {exc}") from None
-    if attr not in owner._parameters:
-        raise LookupError(
-            f"parameter {path!r}: {type(owner).__name__} at {prefix or '<root>'!r} has no parameter "
-            f"{attr!r} (it has {', '.join(owner._parameters) or 'none'})"
+    def unflatten_tensor(self, local: torch.Tensor, info: ShardingInfo) -> DTensor:
+        return DTensor.from_local(
+            local, info.mesh, info.placements, run_check=False, shape=info.shape, stride=info.stride
         )
-    return owner, attr
 
+    # -- the module transform --------------------------------------------------------
 
-def update_module_param(entries: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
-    """Put each tensor in its owner's parameter slot, keeping the registration order.
-
-    The slot may hold a DTensor rebuilt for a forward pass: it stays in ``_parameters`` so
-    that ``named_parameters()`` and ``state_dict()`` keep every name during the forward.
-    """
-    for owner, attr, tensor in entries:
+    def get_submodule_n_params(self, module: nn.Module, path: str) -> tuple[nn.Module, str]:
+        """The module that owns the parameter named ``path`` and its attribute name there."""
+        prefix, _, attr = path.rpartition(".")
+        try:
+            owner = module.get_submodule(prefix)
+        except AttributeError as exc:
+            raise LookupError(f"parameter {path!r}: {exc}") from None
         if attr not in owner._parameters:
             raise LookupError(
-                f"{type(owner).__name__} has no parameter {attr!r} to replace "
-                f"(it has {', '.join(owner._parameters) or 'none'})"
+                f"parameter {path!r}: {type(owner).__name__} at {prefix or '<root>'!r} has no parameter "
+                f"{attr!r} (it has {', '.join(owner._parameters) or 'none'})"
             )
-        owner._parameters[attr] = tensor
+        return owner, attr
 
+    def update_module_param(self, entries: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        """Put each tensor in its owner's parameter slot, keeping the registration order.
 
-def _parameter_sites(module: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]]:
-    """Every parameter once, with every (owner, attribute) that holds it: tied weights and
-    shared submodules give one parameter several names, and all must change together."""
-    sites: dict[int, tuple[torch.Tensor, list]] = {}
-    seen = set()
-    for name, param in module.named_parameters(remove_duplicate=False):
-        owner, attr = get_submodule_n_params(module, name)
-        if (id(owner), attr) not in seen:
-            seen.add((id(owner), attr))
-            sites.setdefault(id(param), (param, []))[1].append((owner, attr))
-    return sites
+        The slot may hold a DTensor rebuilt for a forward pass: it stays in ``_parameters`` so
+        that ``named_parameters()`` and ``state_dict()`` keep every name during the forward.
+        """
+        for owner, attr, tensor in entries:
+            if attr not in owner._parameters:
+                raise LookupError(
+                    f"{type(owner).__name__} has no parameter {attr!r} to replace "
+                    f"(it has {', '.join(owner._parameters) or 'none'})"
+                )
+            owner._parameters[attr] = tensor
 
+    def parameter_sites(self, module: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]]:
+        """Every parameter once, with every (owner, attribute) that holds it: tied weights and
+        shared submodules give one parameter several names, and all must change together."""
+        sites: dict[int, tuple[torch.Tensor, list]] = {}
+        seen = set()
+        for name, param in module.named_parameters(remove_duplicate=False):
+            owner, attr = self.get_submodule_n_params(module, name)
+            if (id(owner), attr) not in seen:
+                seen.add((id(owner), attr))
+                sites.setdefault(id(param), (param, []))[1].append((owner, attr))
+        return sites
 
-def localize_dtensor(module: nn.Module, *_, ignored_params: set | None = None) -> None:
-    """Swap each DTensor parameter for a Parameter of its local shard (``_st_info`` holds the
-    sharding info). A DTensor rebuilt by ``reconstruct_dtensor`` gets back the very local
-    Parameter it came from, which DP and the optimizer hold."""
-    ignored = {id(p) for p in ignored_params or ()}
-    for param, sites in _parameter_sites(module).values():
-        if id(param) in ignored:
-            continue
+    def local_parameter(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The Parameter DP holds for ``param``: its local shard, with ``_st_info``; the very
+        one it came from for a DTensor ``reconstruct_dtensor`` rebuilt; None for a plain one."""
         local = getattr(param, "_tpdp_local", None)
-        if local is None:
-            shard, info = flatten_tensor(param)
+        if local is not None:
+            return local
+        shard, info = self.flatten_tensor(param)
+        if info is None:
+            return None
+        local = nn.Parameter(shard, requires_grad=param.requires_grad)
+        local._st_info = info
+        return local
+
+    def localize_dtensor(self, module: nn.Module, *_, ignored_params: set | None = None) -> None:
+        """Swap each DTensor parameter for the Parameter of its local shard, at every site."""
+        ignored = {id(p) for p in ignored_params or ()}
+        for param, sites in self.parameter_sites(module).values():
+            if id(param) in ignored:
+                continue
+            local = self.local_parameter(param)
+            if local is not None:
+                self.update_module_param([(owner, attr, local) for owner, attr in sites])
+
+    def reconstruct_dtensor(self, module: nn.Module, _input=None) -> None:
+        """Rebuild the DTensor of every localized parameter for a forward pass."""
+        for param, sites in self.parameter_sites(module).values():
+            info = getattr(param, "_st_info", None)
             if info is None:
                 continue
-            local = nn.Parameter(shard, requires_grad=param.requires_grad)
-            local._st_info = info
-        update_module_param([(owner, attr, local) for owner, attr in sites])
+            dtensor = self.unflatten_tensor(param, info)
+            dtensor._tpdp_local = param
+            self.update_module_param([(owner, attr, dtensor) for owner, attr in sites])
+
+    def state_dict_of_dtensors(self, module: nn.Module, state_dict: dict, prefix: str, _metadata) -> None:
+        """A checkpoint taken between forwards holds DTensors, as before the transform."""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            info = getattr(param, "_st_info", None)
+            if info is not None and prefix + name in state_dict:
+                state_dict[prefix + name] = self.unflatten_tensor(state_dict[prefix + name], info)
+
+    def pre_dp_module_transform(self, module: nn.Module) -> nn.Module:
+        """Localize now; rebuild DTensors before each forward and localize again after it."""
+        self.localize_dtensor(module)
+        module.register_forward_pre_hook(self.reconstruct_dtensor)
+        module.register_forward_hook(self.localize_dtensor)
+        # a partial, not the bound method: torch marks the hook with an attribute
+        module.register_state_dict_post_hook(functools.partial(type(self).state_dict_of_dtensors, self))
+        return module
 
 
-def reconstruct_dtensor(module: nn.Module, _input=None) -> None:
-    """Rebuild the DTensor of every localized parameter for a forward pass."""
-    for param, sites in _parameter_sites(module).values():
-        info = getattr(param, "_st_info", None)
-        if info is None:
-            continue
-        dtensor = unflatten_tensor(param, info)
-        dtensor._tpdp_local = param
-        update_module_param([(owner, attr, dtensor) for owner, attr in sites])
-
-
-def _state_dict_of_dtensors(module: nn.Module, state_dict: dict, prefix: str, _metadata) -> None:
-    """A checkpoint taken between forwards holds DTensors, as before the transform."""
-    for name, param in module.named_parameters(remove_duplicate=False):
-        info = getattr(param, "_st_info", None)
-        if info is not None and prefix + name in state_dict:
-            state_dict[prefix + name] = unflatten_tensor(state_dict[prefix + name], info)
-
-
-def pre_dp_module_transform(module: nn.Module) -> nn.Module:
-    """Localize now; rebuild DTensors before each forward and localize again after it."""
-    localize_dtensor(module)
-    module.register_forward_pre_hook(reconstruct_dtensor)
-    module.register_forward_hook(localize_dtensor)
-    module.register_state_dict_post_hook(_state_dict_of_dtensors)
-    return module
+REFERENCE = Transform()
+# The module-level names torch's call sites and tpdp_verify.impl look up.
+flatten_tensor = REFERENCE.flatten_tensor
+unflatten_tensor = REFERENCE.unflatten_tensor
+get_submodule_n_params = REFERENCE.get_submodule_n_params
+update_module_param = REFERENCE.update_module_param
+localize_dtensor = REFERENCE.localize_dtensor
+reconstruct_dtensor = REFERENCE.reconstruct_dtensor
+pre_dp_module_transform = REFERENCE.pre_dp_module_transform

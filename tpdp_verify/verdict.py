@@ -181,6 +181,7 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
                             f"step {step}: missing {what} of {', '.join(missing)}"))
     extra = sorted(set(observed) - set(shadow))
     out.checks.append(Check(f"no unexpected {what}", not extra, f"step {step}: unexpected {', '.join(extra)}"))
+    scale = max((v.abs().max().item() for v in shadow.values() if v is not None and v.numel()), default=0.0)
     for name in shadow:
         if name not in observed:
             continue
@@ -196,7 +197,7 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
             out.checks.append(Check(f"{what} shape", False,
                                     f"step {step}: {name}: shape {tuple(got.shape)}, oracle {tuple(exact.shape)}"))
             continue
-        out.rows.append(Row(what, step, name, error(got, base, exact)))
+        out.rows.append(Row(what, step, name, error(got, base, exact, scale=scale)))
 
 
 def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
