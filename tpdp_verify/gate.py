@@ -85,7 +85,7 @@ def run_gate(
 
 
 def _line(o: Outcome) -> str:
-    return (f"{o.property:<28} world {o.world_size}  {o.status.upper():<8} "
+    return (f"{o.property:<34} world {o.world_size}  {o.status.upper():<8} "
             f"{o.stats.examples:>4} examples ({o.stats.discarded} discarded)  {o.seconds:6.1f} s")
 
 
