@@ -1,7 +1,8 @@
 """The single-device oracle: the unsharded model, the global batch, one process.
 
-It runs twice: in float32, the baseline whose rounding error earns the tolerance, and in
-float64, the shadow taken as exact (see tpdp_verify.tolerance).
+It runs twice: in the case's dtype (float32 unless the case says bfloat16 or float16), the
+baseline whose rounding error earns the tolerance, and in float64, the shadow taken as
+exact (see tpdp_verify.tolerance).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from tpdp_verify.training import Run, Trace, build, make_optimizer, train
 
 
 class Oracle(NamedTuple):
-    baseline: Trace  # float32
+    baseline: Trace  # the case's dtype
     shadow: Trace  # float64
 
 
-def run(case: TrainCase, dtype: torch.dtype = torch.float32, capture: bool = False) -> Trace:
+def run(case: TrainCase, dtype: torch.dtype | None = None, capture: bool = False) -> Trace:
     """The case on one device: every sample of every global batch, no wrapper."""
     model = build(case, dtype)
     handles = dict(model.named_parameters(remove_duplicate=False))
@@ -33,4 +34,4 @@ def run(case: TrainCase, dtype: torch.dtype = torch.float32, capture: bool = Fal
 
 @functools.lru_cache(maxsize=32)  # shrinking replays a case many times
 def oracle(case: TrainCase, capture: bool = False) -> Oracle:
-    return Oracle(run(case, torch.float32, capture), run(case, torch.float64, capture))
+    return Oracle(run(case, case.torch_dtype, capture), run(case, torch.float64, capture))

@@ -1,8 +1,9 @@
 """Gradient equality: TP+DP trains exactly like one device, and like plain DDP.
 
 A drawn ``TrainCase`` picks a zoo model and size, a (dp, tp) factorization of the world,
-a data-parallel entry point with its options, an optimizer and when it is built, and the
-steps; the ranks train it and the oracles say what training should have produced.
+a data-parallel entry point with its options, an optimizer and when it is built, the
+steps and the dtype (float32, bfloat16, float16); the ranks train it and the oracles say
+what training should have produced.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from tpdp_verify.cases import BUILT, DDP_ENTRIES, ENTRIES, OPTIMIZERS, DDPOptions, TrainCase
+from tpdp_verify.cases import BUILT, DDP_ENTRIES, DTYPES, ENTRIES, OPTIMIZERS, DDPOptions, TrainCase
 from tpdp_verify.compare import Check
 from tpdp_verify.execute import observe, observe_both
 from tpdp_verify.fixtures.zoo import ZOO
@@ -101,6 +102,7 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
         accumulate=draw(st.integers(1, 2)),
         local_batch=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**16)),
+        dtype=draw(st.sampled_from(DTYPES)),
     )
 
 

@@ -19,6 +19,7 @@ ENTRIES = (
 )
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 OPTIMIZERS = ("sgd", "adam")
+DTYPES = ("float32", "bfloat16", "float16")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's
 # parameters, or on the wrapper's parameters after a first (discarded) forward.
 BUILT = ("after_wrap", "before_wrap", "after_forward")
@@ -71,6 +72,13 @@ class TrainCase:
     accumulate: int = 1                 # microbatches a step; all but the last under no_sync
     local_batch: int = 2                # samples a dp rank gets per microbatch
     seed: int = 0
+    dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def dp(self) -> int:

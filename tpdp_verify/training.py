@@ -61,19 +61,21 @@ def fixture(case: TrainCase) -> Fixture:
     return ZOO[case.model]
 
 
-def build(case: TrainCase, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The unsharded model, identical wherever it is built from the case's seed."""
+def build(case: TrainCase, dtype: torch.dtype | None = None) -> nn.Module:
+    """The unsharded model, identical wherever it is built from the case's seed; in the
+    case's dtype unless told otherwise (the float64 shadow)."""
     torch.manual_seed(case.seed)
-    return fixture(case).build(case.size).to(dtype)
+    return fixture(case).build(case.size).to(dtype or case.torch_dtype)
 
 
-def batches(case: TrainCase, dtype: torch.dtype = torch.float32) -> list[list[dict]]:
+def batches(case: TrainCase, dtype: torch.dtype | None = None) -> list[list[dict]]:
     """Global batches a step, a microbatch each, with a random weight per sample.
 
     Weighting samples differently is what exposes DP bugs a ``.sum()`` hides: gradients
     summed instead of averaged, rows routed to the wrong rank, a rank's batch dropped.
     """
     fx, gen = fixture(case), torch.Generator().manual_seed(case.seed + 1)
+    dtype = dtype or case.torch_dtype
     steps = []
     for _ in range(case.steps):
         micro = []
@@ -89,7 +91,9 @@ def batches(case: TrainCase, dtype: torch.dtype = torch.float32) -> list[list[di
 def make_optimizer(case: TrainCase, params) -> torch.optim.Optimizer:
     params = list(params)
     if case.optimizer == "adam":
-        return torch.optim.Adam(params, lr=LR["adam"])
+        # Adam's default eps, 1e-8, is 0 in float16: a gradient whose square underflows
+        # divides by zero on one device too. Mixed-precision recipes raise eps for float16.
+        return torch.optim.Adam(params, lr=LR["adam"], eps=1e-4 if case.dtype == "float16" else 1e-8)
     return torch.optim.SGD(params, lr=LR["sgd"], momentum=0.9)
 
 
@@ -169,7 +173,7 @@ def _built(case: TrainCase, run: Run, data: list, new_optimizer: Callable[[], to
 
 
 def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Optimizer],
-          capture: bool = False, dtype: torch.dtype = torch.float32) -> Trace:
+          capture: bool = False, dtype: torch.dtype | None = None) -> Trace:
     """Run the case's steps; record a Trace. An exception ends the trace with its text."""
     fx, trace = fixture(case), Trace(state_unobserved=run.state_unobserved)
     trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]

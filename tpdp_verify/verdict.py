@@ -1,7 +1,7 @@
 """Judging a TP+DP run against an oracle: every value within its bound, every rank agreeing.
 
 ``assemble`` turns the ranks' traces into one global trace (the dp groups' rows put back
-together) and checks that replicas agree; ``judge`` compares it with a float32 baseline and
+together) and checks that replicas agree; ``judge`` compares it with a baseline and
 the float64 shadow, value by value, and returns a ``Verdict`` whose report names what
 departs, by how much, and from which module on.
 """
@@ -175,7 +175,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
 # --------------------------------------------------------------------------- judging
 
 
-def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, out: Verdict) -> None:
+def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, out: Verdict,
+            dtype: torch.dtype) -> None:
     missing = sorted(set(shadow) - set(observed))
     out.checks.append(Check(f"every {what} is there", not missing,
                             f"step {step}: missing {what} of {', '.join(missing)}"))
@@ -197,12 +198,13 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
             out.checks.append(Check(f"{what} shape", False,
                                     f"step {step}: {name}: shape {tuple(got.shape)}, oracle {tuple(exact.shape)}"))
             continue
-        out.rows.append(Row(what, step, name, error(got, base, exact, scale=scale)))
+        out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale)))
 
 
 def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
           against: str = "one device") -> Verdict:
-    """Compare a global trace with a float32 baseline and the float64 shadow."""
+    """Compare a global trace with a baseline in the case's dtype and the float64 shadow."""
+    dtype = case.torch_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
                 if observed.state_unobserved else "")
     if observed.error:
@@ -212,18 +214,18 @@ def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
     v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,
                           f"trainable {observed.trainable}, oracle {shadow.trainable}"))
     for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
-        _values("output", i, {"model": o}, {"model": b}, {"model": s}, v)
+        _values("output", i, {"model": o}, {"model": b}, {"model": s}, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
-        _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v)
-    _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v)
+        _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
+    _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v, dtype)
     for step in range(1, len(shadow.grads) + 1):
-        _values("gradient", step, observed.grads[step - 1], baseline.grads[step - 1], shadow.grads[step - 1], v)
-        _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v)
+        _values("gradient", step, observed.grads[step - 1], baseline.grads[step - 1], shadow.grads[step - 1], v, dtype)
+        _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v, dtype)
         if not observed.state_unobserved:
             _values("optimizer state", step, observed.state[step - 1], baseline.state[step - 1],
-                    shadow.state[step - 1], v)
+                    shadow.state[step - 1], v, dtype)
         _values("buffer", step, observed.buffers[step - 1], baseline.buffers[step - 1],
-                shadow.buffers[step - 1], v)
+                shadow.buffers[step - 1], v, dtype)
     for name in frozen:
         kept = all(torch.equal(p[name], observed.params[0][name]) for p in observed.params if name in p)
         v.checks.append(Check("frozen parameters stay unchanged", kept, f"{name} changed"))
@@ -231,7 +233,7 @@ def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
         # Moving means moving beyond rounding noise: a gradient that is zero but for its
         # rounding (a norm over one element) moves the oracle by less than the bound.
         drift = (shadow.params[-1][name] - shadow.params[0][name]).abs()
-        if drift.numel() == 0 or drift.max() <= bound(baseline.params[-1][name], shadow.params[-1][name]):
+        if drift.numel() == 0 or drift.max() <= bound(baseline.params[-1][name], shadow.params[-1][name], dtype):
             continue
         got = name in observed.params[-1] and not torch.equal(observed.params[-1][name], observed.params[0][name])
         v.checks.append(Check("trainable parameters move as in the oracle", got,
@@ -267,7 +269,7 @@ def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Tr
         if any(p is None for p in pieces):
             continue  # an output whose layout cannot be put back; the next module decides
         got = torch.cat(pieces)
-        if not error(got, baseline.activations[i][1], exact).ok:
+        if not error(got, baseline.activations[i][1], exact, case.torch_dtype).ok:
             return name or "<the whole model>"
     return None
 
