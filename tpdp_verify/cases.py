@@ -73,6 +73,9 @@ class TrainCase:
     local_batch: int = 2                # samples a dp rank gets per microbatch
     seed: int = 0
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
+    # A user's model, plan, data and loss (tpdp_verify.plan.UserModel) in place of a zoo
+    # model; its replay is the verify_plan call or the CLI command, not this repr.
+    user: object = field(default=None, repr=False)
 
     @property
     def torch_dtype(self):

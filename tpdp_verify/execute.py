@@ -50,6 +50,12 @@ def parter(specs: dict):
     return part
 
 
+def plan_for(fx, case: TrainCase, tp_mesh) -> dict:
+    """The fixture's plan; a user's plan may be a function of the tp mesh."""
+    plan = fx.plan(case.size)
+    return plan(tp_mesh) if callable(plan) else plan
+
+
 def _failed(stage: str, exc: Exception) -> Trace:
     return Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip())
 
@@ -71,7 +77,7 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
     with installed(impl):
         model = build(case)
         if tp:
-            parallelize_module(model, mesh["tp"], fx.plan(case.size))
+            parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
             if fx.after_parallelize is not None:
                 fx.after_parallelize(model)
         before = dict(model.named_parameters(remove_duplicate=False))

@@ -35,6 +35,7 @@ class Trace:
     buffers: list[dict] = field(default_factory=list)  # after each step
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
     error: str = ""  # what the run raised, if it raised
+    raised_in: str = ""  # the innermost module whose forward raised it, if one did
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
 
 
@@ -58,7 +59,7 @@ class Run:
 
 
 def fixture(case: TrainCase) -> Fixture:
-    return ZOO[case.model]
+    return case.user.fixture() if case.user is not None else ZOO[case.model]
 
 
 def build(case: TrainCase, dtype: torch.dtype | None = None) -> nn.Module:
@@ -90,6 +91,8 @@ def batches(case: TrainCase, dtype: torch.dtype | None = None) -> list[list[dict
 
 def make_optimizer(case: TrainCase, params) -> torch.optim.Optimizer:
     params = list(params)
+    if case.user is not None and case.user.optimizer_fn is not None:
+        return case.user.optimizer_fn(params)
     if case.optimizer == "adam":
         # Adam's default eps, 1e-8, is 0 in float16: a gradient whose square underflows
         # divides by zero on one device too. Mixed-precision recipes raise eps for float16.
@@ -177,6 +180,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
     """Run the case's steps; record a Trace. An exception ends the trace with its text."""
     fx, trace = fixture(case), Trace(state_unobserved=run.state_unobserved)
     trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]
+    running: list[str] = []  # modules whose forward has begun and not returned
     try:
         with _params(run) as current:
             trace.params.append(_snapshot(run, current))
@@ -196,7 +200,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 sync = contextlib.nullcontext() if m == len(micro) - 1 else run.no_sync()
                 record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
                 with sync, _loss_parallel(run.loss_parallel):
-                    with record:
+                    with record, tracking(run.inner, running):
                         out = run.model(local["input"])
                     loss = (local["weight"] * fx.per_sample_loss(out, local)).mean()
                     loss.backward()
@@ -211,8 +215,30 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
             trace.state.append({} if run.state_unobserved else _state(run, params, optimizer))
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
-        trace.error = "".join(traceback.format_exception_only(exc)).strip()
+        trace.raised_in = running[-1] or "<the whole model>" if running else ""
+        where = f"in the forward of {trace.raised_in}: " if running else ""
+        trace.error = where + "".join(traceback.format_exception_only(exc)).strip()
     return trace
+
+
+@contextlib.contextmanager
+def tracking(module: nn.Module, running: list[str]):
+    """Keep ``running`` the names of the modules inside whose forward we are, innermost
+    last: an exception leaves it naming the module that raised."""
+
+    def enter(name):
+        return lambda m, args: running.append(name)
+
+    def leave(m, args, output):
+        running.pop()
+
+    handles = [h for n, m in module.named_modules()
+               for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _loss_parallel(on: bool):

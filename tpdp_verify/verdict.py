@@ -209,6 +209,7 @@ def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
                 if observed.state_unobserved else "")
     if observed.error:
         v.checks.append(Check("trains without an exception", False, observed.error))
+        v.first_module = observed.raised_in or None
         return v
     frozen = sorted(set(shadow.params[0]) - set(shadow.trainable))
     v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,

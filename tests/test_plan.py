@@ -1,0 +1,102 @@
+"""verify_plan: a user's model and plan against one device and plain DP, and every mistake
+it is given explained in one line before any training."""
+
+import json
+
+import pytest
+import torch
+import user_models as um
+
+from tpdp_verify import UsageError, verify_plan
+from tpdp_verify.pool import RankPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2) as p:
+        yield p
+
+
+def verify(plan=um.PLAN, model_fn=um.make_mlp, **kw):
+    kw.setdefault("input_fn", um.vectors)
+    kw.setdefault("mesh", (1, 2))
+    kw.setdefault("impl", "reference")
+    return verify_plan(model_fn, plan, **kw)
+
+
+def test_a_correct_plan_passes_every_check(pool):
+    report = verify(pool=pool)
+    assert report.ok, str(report)
+    counts = {line.check: line.compared for line in report.lines}
+    assert counts["plan keys resolve"] == 2
+    # Four parameters, three steps: every gradient of every step against one device, and a
+    # step's two structural checks (every gradient there, none unexpected).
+    assert counts["gradients vs one device"] == 4 * 3 + 2 * 3
+    assert counts["gradients vs plain DDP"] == 4 * 3
+    assert all(counts[c] > 0 for c in ("forward output", "parameters after each step", "registry preserved",
+                                       "requires_grad preserved", "DP replicas equal"))
+    data = json.loads(report.to_json())
+    assert data["ok"] and len(data["checks"]) == len(report.lines) and data["failures"] == []
+
+
+def test_wildcard_keys_a_plan_function_targets_and_adam(pool):
+    report = verify(um.BLOCKS_PLAN, um.make_blocks, input_fn=um.with_targets, loss_fn=um.mse,
+                    optimizer_fn=um.adam, pool=pool)
+    assert report.ok, str(report)
+    assert report.lines[0].compared == 2  # two keys, each reaching two modules
+    assert next(x for x in report.lines if x.check == "gradients vs one device").compared == 8 * 3 + 2 * 3
+    assert verify(um.plan_of_mesh, pool=pool, steps=1).ok
+
+
+def test_a_swapped_plan_is_reported_at_its_module(pool):
+    report = verify(um.SWAPPED, pool=pool, steps=1)
+    assert not report.ok
+    assert report.first_module == "up"
+    assert "in the forward of up" in str(report)
+    assert "verify_plan(user_models:make_mlp" in report.replay
+
+
+def test_a_broken_transform_is_reported_with_its_table(pool):
+    report = verify(pool=pool, impl="mutants.ScalesGradientUp", steps=1)
+    assert not report.ok
+    failed = [x.check for x in report.lines if not x.ok]
+    assert "gradients vs one device" in failed, str(report)
+    assert "max abs" in str(report) and json.loads(report.to_json())["failures"]
+
+
+def one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.parametrize("plan, model_fn, expected", [
+    (um.TYPO, um.make_mlp, "plan key 'upp' matches no module of the model; did you mean 'up'?"),
+    (um.WRONG_TYPE, um.make_mlp, "gives ColwiseParallel to 'act', a ReLU; it shards only Linear and Embedding"),
+    (um.PLAN, um.make_narrow, "shards dim 0 of up.weight (size 1) over 2 tp ranks"),
+    (um.PARTIAL, um.make_blocks, "plan key 'layers.1.dwn' matches no module of the model; did you mean 'layers.1.down'"),
+    (um.PLAN, um.make_per_rank, "model_fn builds different weights on rank"),
+], ids=["typo", "style-misfit", "unshardable-dim", "wildcard-typo", "per-rank-weights"])
+def test_mistakes_seen_on_the_ranks(pool, plan, model_fn, expected):
+    with pytest.raises(UsageError) as excinfo:
+        verify(plan, model_fn, pool=pool)
+    assert expected in one_line(excinfo)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"input_fn": um.three_rows}, "input_fn(2, generator) returned 'input' of shape [3, 8]: dim 0 must hold the 2 samples"),
+    ({"input_fn": um.unseeded}, "input_fn returned different batches for the same generator"),
+    ({"loss_fn": um.total_loss}, "loss_fn returned [] for a batch of 2: return one loss per sample (shape [2])"),
+    ({"model_fn": lambda: um.MLP()}, "model_fn cannot be sent to the ranks"),
+    ({"batch": 3, "mesh": (2, 2)}, "batch=3 does not split over dp=2 ranks"),
+    ({"mesh": (2, 2)}, "mesh (2, 2) holds 4 ranks but the pool has 2"),
+    ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1"),
+    ({"dtype": torch.int32}, "dtype must be one of float32, bfloat16, float16"),
+    ({"plan": [("up", None)]}, "plan is a list; give a dict"),
+], ids=["batch-rows", "unseeded-input", "scalar-loss", "lambda", "batch-split", "mesh-size", "dp-name",
+        "dtype", "plan-type"])
+def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
+    kwargs = {"pool": pool, "model_fn": um.make_mlp, "plan": um.PLAN, **kwargs}
+    with pytest.raises(UsageError) as excinfo:
+        verify(**kwargs)
+    assert expected in one_line(excinfo)

@@ -1,0 +1,88 @@
+"""A user's models, plans and data for tests/test_plan.py: module level, so ranks import them."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 8, hidden: int = 16):
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class Blocks(nn.Module):
+    """Plan keys several levels deep, reached by a wildcard."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(MLP() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def make_mlp():
+    return MLP()
+
+
+def make_blocks():
+    return Blocks()
+
+
+def make_narrow():
+    return MLP(hidden=1)
+
+
+def make_per_rank():
+    """Weights seeded by the rank: the mistake the checksums catch."""
+    torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    return MLP()
+
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+BLOCKS_PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
+SWAPPED = {"up": RowwiseParallel(), "down": ColwiseParallel()}  # row- and column-parallel swapped
+TYPO = {"upp": ColwiseParallel(), "down": RowwiseParallel()}
+WRONG_TYPE = {"act": ColwiseParallel(), "down": RowwiseParallel()}
+PARTIAL = {"layers.*.up": ColwiseParallel(), "layers.0.down": RowwiseParallel(), "layers.1.dwn": RowwiseParallel()}
+
+
+def plan_of_mesh(tp_mesh):
+    return dict(PLAN)
+
+
+def vectors(n, generator):
+    return torch.randn(n, 8, generator=generator)
+
+
+def with_targets(n, generator):
+    return {"input": torch.randn(n, 8, generator=generator), "target": torch.randn(n, 8, generator=generator)}
+
+
+def mse(out, batch):
+    return (out - batch["target"]).pow(2).mean(1)
+
+
+def three_rows(n, generator):
+    return torch.randn(3, 8, generator=generator)
+
+
+def unseeded(n, generator):
+    return torch.randn(n, 8)
+
+
+def total_loss(out, batch):
+    return out.pow(2).sum()
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)

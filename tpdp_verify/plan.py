@@ -1,0 +1,331 @@
+"""Verify a user's TP plan: their model, plan, data and loss through the suite's oracles.
+
+``verify_plan`` carries the user's callables in a ``TrainCase`` (its ``user`` field), checks
+every input it can before training (a mistake gets one line saying what to do, as a
+``UsageError``), trains the case on the ranks and compares it with the unsharded model on
+one device and with the same DP entry point without TP. The result is a ``Report``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import pickle
+import warnings
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpdp_verify.cases import DTYPES, DDPOptions, TrainCase
+from tpdp_verify.errors import UsageError
+
+# verify_plan's names for the DP entry points (tpdp_verify.entries).
+DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
+      "fsdp2": "fully_shard", "fsdp1": "fsdp1"}
+
+
+def name_of(fn) -> str:
+    """``module:qualname``, how the CLI and the replay line name a function."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def mean_square(out, batch: dict) -> torch.Tensor:
+    """The default per-sample loss: the mean square of each sample's output."""
+    from torch.distributed.tensor import DTensor
+
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    return out.reshape(len(out), -1).pow(2).mean(1)
+
+
+def as_batch(value) -> dict:
+    """input_fn's result as the training loop takes it: a dict with the model's "input"."""
+    if isinstance(value, torch.Tensor):
+        return {"input": value}
+    if isinstance(value, dict) and isinstance(value.get("input"), torch.Tensor):
+        return value
+    raise UsageError(f"input_fn returned {type(value).__name__}{' without an input key' if isinstance(value, dict) else ''}"
+                     ": return the model's input tensor, or a dict with the input under 'input' and any targets")
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """A user's model, plan, data and loss, as a case carries them to the ranks (by name)."""
+
+    model_fn: Callable[[], nn.Module]
+    plan: object  # a tuple of (key, style) pairs, or a callable tp_mesh -> dict
+    input_fn: Callable[[int, torch.Generator], object]  # (n samples, generator) -> batch
+    loss_fn: Callable | None = None  # (output, batch) -> one loss per sample
+    optimizer_fn: Callable | None = None  # parameters -> optimizer
+    loss_parallel: bool = False
+
+    def fixture(self):
+        from hypothesis import strategies as st
+
+        from tpdp_verify.fixtures.zoo import Fixture, Size
+
+        return Fixture(name=name_of(self.model_fn), build=lambda size: self.model_fn(),
+                       plan=lambda size: self.plan if callable(self.plan) else dict(self.plan),
+                       batch=lambda gen, n, size: as_batch(self.input_fn(n, gen)),
+                       per_sample_loss=self.loss_fn or mean_square, sizes=lambda tp: st.just(Size()),
+                       loss_parallel=self.loss_parallel)
+
+
+# ------------------------------------------------------------------ checks before any rank
+
+
+def _sendable(user: UserModel) -> None:
+    for field in ("model_fn", "plan", "input_fn", "loss_fn", "optimizer_fn"):
+        try:
+            pickle.dumps(getattr(user, field))
+        except Exception as exc:
+            raise UsageError(f"{field} cannot be sent to the ranks ({type(exc).__name__}: {exc}); "
+                             "define it at module level, not as a lambda or inside a function") from None
+
+
+def _call(what: str, fn, *args):
+    try:
+        return fn(*args)
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"{what} raised {type(exc).__name__}: {exc}") from None
+
+
+def check_inputs(case: TrainCase) -> None:
+    """Everything about the user's callables that the parent can check alone."""
+    user, n = case.user, case.global_batch
+    _sendable(user)
+    torch.manual_seed(case.seed)
+    model = _call("model_fn()", user.model_fn)
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model_fn returned a {type(model).__name__}, not an nn.Module")
+    batches = [as_batch(_call(f"input_fn({n}, generator)", user.input_fn, n, torch.Generator().manual_seed(case.seed)))
+               for _ in range(2)]
+    for key, value in batches[0].items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or len(value) != n:
+            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UsageError(f"input_fn({n}, generator) returned {key!r} of shape {shape}: dim 0 must hold "
+                             f"the {n} samples asked for, {case.local_batch} for each of the {case.dp} dp ranks")
+    if any(not torch.equal(batches[0][k], batches[1][k]) for k in batches[0]):
+        raise UsageError("input_fn returned different batches for the same generator: draw every random "
+                         "value from the generator it is given (torch.randn(..., generator=generator))")
+    out = _call("the model's forward on input_fn's input", model, batches[0]["input"].to(case.torch_dtype)
+                if batches[0]["input"].is_floating_point() else batches[0]["input"])
+    loss = _call("loss_fn(output, batch)", user.loss_fn or mean_square, out, batches[0])
+    if not isinstance(loss, torch.Tensor) or loss.shape != (n,):
+        got = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"loss_fn returned {got} for a batch of {n}: return one loss per sample "
+                         f"(shape [{n}]); tpdp-verify weights each sample and averages")
+
+
+# ------------------------------------------------------------------ checks on the ranks
+
+# Styles that shard a module's parameters, the module types they know, and which dim of
+# the weight each shards (Linear's weight is [out, in]; Embedding's [num, dim]).
+def _sharding_styles():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {ColwiseParallel: {nn.Linear: 0, nn.Embedding: 1}, RowwiseParallel: {nn.Linear: 1, nn.Embedding: 0}}
+
+
+def resolve(model: nn.Module, key: str) -> list[str]:
+    """The modules a plan key reaches, as parallelize_module walks it: each dotted atom an
+    fnmatch pattern over the children's names."""
+    found = [("", model)]
+    for atom in key.split(".") if key else []:
+        found = [(f"{path}.{name}" if path else name, child) for path, module in found
+                 for name, child in module.named_children() if fnmatch(name, atom)]
+    return [path for path, _ in found]
+
+
+def plan_problems(model: nn.Module, plan: dict, tp: int) -> list[str]:
+    """What is wrong with a plan for this model, one line each, before torch applies it."""
+    modules = dict(model.named_modules())
+    styles, problems = _sharding_styles(), []
+    for key, style in plan.items():
+        paths = resolve(model, key)
+        if not paths:
+            near = difflib.get_close_matches(key, [m for m in modules if m], n=3, cutoff=0.5)
+            problems.append(f"plan key {key!r} matches no module of the model"
+                            + (f"; did you mean {' or '.join(map(repr, near))}?" if near else
+                               "; keys are dotted module paths as named_modules() gives them"))
+            continue
+        kinds = next((v for k, v in styles.items() if isinstance(style, k)), None)
+        for path in paths:
+            module = modules[path]
+            dim = next((d for t, d in (kinds or {}).items() if isinstance(module, t)), None)
+            if kinds and dim is None:
+                problems.append(f"plan key {key!r} gives {type(style).__name__} to {path!r}, a "
+                                f"{type(module).__name__}; it shards only {' and '.join(t.__name__ for t in kinds)}")
+            elif dim is not None and module.weight.shape[dim] < tp:
+                problems.append(f"plan key {key!r}: {type(style).__name__} shards dim {dim} of {path}.weight "
+                                f"(size {module.weight.shape[dim]}) over {tp} tp ranks, so some rank would hold "
+                                f"none of it; widen it to at least {tp} or leave {path!r} out of the plan")
+    return problems
+
+
+def _checksums(model: nn.Module) -> dict[str, tuple[float, float]]:
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        flat = t.detach().double().flatten()
+        out[name] = (flat.sum().item(), (flat * torch.arange(1, len(flat) + 1, dtype=torch.float64)).sum().item())
+    return out
+
+
+def preflight(case: TrainCase) -> tuple[list[str], dict]:
+    """On every rank: the plan's problems for the model this rank builds, and its checksums.
+
+    parallelize_module skips a plan key it cannot resolve with a warning and trains a half
+    parallelized model; here its warnings are problems too.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tpdp_verify.execute import MESH_DIMS, plan_for
+    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.training import build, fixture
+
+    mesh = device_mesh(case.mesh_shape, MESH_DIMS)
+    model = build(case)
+    sums = _checksums(model)
+    try:
+        plan = plan_for(fixture(case), case, mesh["tp"])
+    except Exception as exc:
+        return [f"the plan function raised {type(exc).__name__}: {exc}"], sums
+    if not isinstance(plan, dict):
+        return [f"the plan is a {type(plan).__name__}; give a dict of module path -> ParallelStyle "
+                "(or a function of the tp mesh returning one)"], sums
+    problems = plan_problems(model, plan, case.tp)
+    if problems:
+        return problems, sums
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            parallelize_module(model, mesh["tp"], plan)
+        except Exception as exc:
+            return [f"parallelize_module raised {type(exc).__name__}: {str(exc).splitlines()[0]}"], sums
+    return [f"parallelize_module: {w.message}" for w in caught if "could not be resolved" in str(w.message)], sums
+
+
+def check_on_ranks(pool, case: TrainCase) -> int:
+    """Run ``preflight`` on every rank; raise the first problem; return how many plan keys
+    were checked. Weights must agree on every rank and with the parent's own build."""
+    from tpdp_verify.training import build
+
+    replies = pool.run(preflight, case)
+    for problems, _ in replies:
+        if problems:
+            raise UsageError(problems[0])
+    mine = _checksums(build(case))
+    for rank, (_, sums) in enumerate(replies):
+        differ = [n for n in mine if sums.get(n) != mine[n]] or sorted(set(sums) - set(mine))
+        if differ:
+            raise UsageError(f"model_fn builds different weights on rank {rank} than in this process "
+                             f"({differ[0]} differs): build them from torch's global RNG, which "
+                             "tpdp-verify seeds before calling model_fn, or seed them alike everywhere")
+    plan = case.user.plan
+    return len(plan) if not callable(plan) else len(pool.run(_plan_keys, case)[0])
+
+
+def _plan_keys(case: TrainCase) -> list[str]:
+    from tpdp_verify.execute import MESH_DIMS, plan_for
+    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.training import fixture
+
+    return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, MESH_DIMS)["tp"]))
+
+
+# ------------------------------------------------------------------ the API
+
+
+def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, dp, dtype, batch,
+              accumulate, ddp_options, loss_parallel, seed) -> TrainCase:
+    """The TrainCase of a verify_plan call, its arguments checked."""
+    if not callable(model_fn) or not callable(input_fn):
+        raise UsageError("model_fn and input_fn must be callables: model_fn() -> nn.Module, "
+                         "input_fn(n, generator) -> the input of n samples")
+    if not (callable(plan) or isinstance(plan, dict)):
+        raise UsageError(f"plan is a {type(plan).__name__}; give a dict as parallelize_module takes it "
+                         "(module path -> ParallelStyle) or a function tp_mesh -> dict")
+    if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2
+            or not all(isinstance(d, int) and d >= 1 for d in mesh)):
+        raise UsageError(f"mesh must be (dp, tp), two positive ints, not {mesh!r}")
+    if dp not in DP:
+        raise UsageError(f"dp must be one of {', '.join(DP)}, not {dp!r}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {name}")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(accumulate, int) or accumulate < 1:
+        raise UsageError(f"steps and accumulate must be positive ints, not {steps!r} and {accumulate!r}")
+    batch = 2 * mesh[0] if batch is None else batch
+    if not isinstance(batch, int) or batch < mesh[0] or batch % mesh[0]:
+        raise UsageError(f"batch={batch!r} does not split over dp={mesh[0]} ranks: give a multiple of {mesh[0]}")
+    try:
+        ddp = DDPOptions(**(ddp_options or {}))
+    except TypeError as exc:
+        raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.DDPOptions") from None
+    user = UserModel(model_fn, plan if callable(plan) else tuple(plan.items()), input_fn, loss_fn,
+                     optimizer_fn, loss_parallel)
+    return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
+                     accumulate=accumulate, local_batch=batch // mesh[0], seed=seed, dtype=name, user=user)
+
+
+def verify_plan(model_fn: Callable[[], nn.Module], plan, *, mesh: tuple[int, int] = (1, 2),
+                input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
+                steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "ddp",
+                dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
+                ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
+                impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
+                replay: str | None = None):
+    """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh and a DP entry point,
+    and compare it with one device and with plain DP; return a ``Report``.
+
+    ``model_fn()`` builds the unsharded model from torch's global RNG (seeded with ``seed``
+    first, alike on every rank). ``plan`` is what ``parallelize_module`` takes: a dict of
+    module path (fnmatch wildcards per atom) -> ParallelStyle, or a function of the tp
+    mesh returning one. ``input_fn(n, generator)`` returns the input of ``n`` samples
+    (dim 0), or a dict with it under "input" and any targets; draw from ``generator``.
+    ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
+    weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
+    ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
+    ddp (``_pre_dp_module_transform`` then DDP on the dp group), ddp_mesh (DDP with the dp
+    sub-mesh), replicate, fsdp2 (``fully_shard``) or fsdp1. Runs on ``pool`` if given (its
+    world size must be dp * tp), else on a pool of its own.
+
+    Every callable must be importable by name (module level): the ranks are other processes.
+    Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks hang or die.
+    """
+    from tpdp_verify.pool import RankPool
+    from tpdp_verify.properties.training import verdict_one_device, verdict_plain_ddp
+    from tpdp_verify.report import Report
+
+    case = make_case(model_fn, plan, mesh=mesh, input_fn=input_fn, loss_fn=loss_fn, steps=steps,
+                     optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
+                     ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed)
+    check_inputs(case)
+    world = case.dp * case.tp
+    if pool is not None and pool.world_size != world:
+        raise UsageError(f"mesh {tuple(mesh)} holds {world} ranks but the pool has {pool.world_size}; "
+                         f"give a mesh whose product is {pool.world_size}, or a pool of {world}")
+    owned = pool is None
+    pool = RankPool(world, backend, timeout=timeout) if owned else pool
+    try:
+        keys = check_on_ranks(pool, case)
+        one = verdict_one_device(pool, impl, case)
+        plain = verdict_plain_ddp(pool, impl, case)
+    finally:
+        if owned:
+            pool.close()
+    return Report.of(case, keys, one, plain, replay or _replay(case, impl))
+
+
+def _replay(case: TrainCase, impl: str) -> str:
+    u = case.user
+    args = [name_of(u.model_fn), "<plan>" if not callable(u.plan) else name_of(u.plan),
+            f"mesh={case.mesh_shape}", f"input_fn={name_of(u.input_fn)}"]
+    args += [f"{k}={name_of(v)}" for k, v in (("loss_fn", u.loss_fn), ("optimizer_fn", u.optimizer_fn)) if v]
+    dp = next(k for k, v in DP.items() if v == case.entry)
+    args += [f"steps={case.steps}", f"dp={dp!r}", f"dtype=torch.{case.dtype}",
+             f"batch={case.global_batch}", f"seed={case.seed}", f"impl={impl!r}"]
+    return f"verify_plan({', '.join(args)})  # deterministic: the same call replays it"

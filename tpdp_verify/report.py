@@ -1,0 +1,171 @@
+"""What verify_plan found: one line per check, the first diverging module, the table, a replay.
+
+The verdicts against one device and against plain DP hold every comparison made; a
+``Report`` sorts them into the checks a plan's author asks about, counting each, so a
+check that compared nothing shows (and fails) instead of passing silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from tpdp_verify.cases import TrainCase
+from tpdp_verify.plan import DP
+from tpdp_verify.verdict import Row, Verdict
+
+# The checks of a report, in the order a reader asks about them; those marked True must
+# compare something, whatever the model.
+CHECKS = {
+    "plan keys resolve": True,
+    "trains without an exception": True,
+    "registry preserved": True,
+    "requires_grad preserved": True,
+    "DP replicas equal": True,
+    "forward output": True,
+    "gradients vs one device": True,
+    "parameters after each step": True,
+    "optimizer state": False,
+    "buffers": False,
+    "gradients vs plain DDP": True,
+    "everything else vs plain DDP": True,
+}
+
+_BY_KIND = {"output": "forward output", "loss": "forward output", "gradient": "gradients vs one device",
+            "parameter": "parameters after each step", "optimizer state": "optimizer state",
+            "buffer": "buffers"}
+
+
+def _section(name: str) -> str:
+    """The report check a verdict's structural check belongs to."""
+    if "exception" in name or name.startswith("refuses"):
+        return "trains without an exception"
+    if name.startswith(("replicas agree", "tp ranks of a dp group")):
+        return "DP replicas equal"
+    if name in ("the same parameters are trainable", "frozen parameters stay unchanged",
+                "every rank trains the same parameters"):
+        return "requires_grad preserved"
+    if name == "trainable parameters move as in the oracle":
+        return "parameters after each step"
+    kind = next((k for k in _BY_KIND if k in name), None)
+    if kind == "parameter" or name.startswith("compared at least"):
+        return "registry preserved"  # every parameter there, no other, each of its global shape
+    return _BY_KIND.get(kind, "trains without an exception")
+
+
+@dataclass
+class Line:
+    check: str
+    compared: int = 0
+    failed: int = 0
+    worst: float = 0.0  # the largest error / bound ratio among its values
+    detail: str = ""  # the first failure, or what was compared
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and (self.compared > 0 or not CHECKS[self.check])
+
+    def add(self, ok: bool, detail: str = "", ratio: float | None = None) -> None:
+        self.compared += 1
+        if ratio is not None:
+            self.worst = max(self.worst, ratio)
+        if not ok:
+            self.failed += 1
+            self.detail = self.detail if self.failed > 1 else detail.splitlines()[0]
+
+    def cell(self, reached: bool) -> tuple[str, str]:
+        """Its result and detail columns; ``reached``: whether training got far enough to
+        compare anything (a run that raised compares nothing after it)."""
+        if not self.compared:
+            return ("FAIL", "compared nothing") if reached and CHECKS[self.check] else ("-", "")
+        if not self.ok:
+            return "FAIL", self.detail
+        return "ok", f"{self.worst:.3g} of the bound" if self.worst else self.detail
+
+
+def _number(x: float):
+    """JSON has no infinity or NaN: a non-finite error or ratio is written as a string."""
+    return x if math.isfinite(x) else str(x)
+
+
+def _row_detail(r: Row) -> str:
+    return f"{r.what} {r.name} at step {r.step}: max abs {r.err.max_abs:.3g}, bound {r.err.bound:.3g}"
+
+
+@dataclass
+class Report:
+    case: TrainCase
+    lines: list[Line]
+    one_device: Verdict
+    plain_ddp: Verdict
+    replay: str
+
+    @classmethod
+    def of(cls, case: TrainCase, plan_keys: int, one: Verdict, plain: Verdict, replay: str) -> Report:
+        lines = {name: Line(name) for name in CHECKS}
+        keys = lines["plan keys resolve"]
+        for _ in range(plan_keys):
+            keys.add(True)
+        keys.detail = f"{plan_keys} keys, each matching a module, each style fitting it"
+        for c in one.checks:
+            lines[_section(c.name)].add(c.ok, f"{c.name}: {c.detail}")
+        for r in one.rows:
+            lines["registry preserved" if r.what == "parameter" and r.step == 0 else _BY_KIND[r.what]].add(
+                r.err.ok, _row_detail(r), r.err.ratio)
+        for c in plain.checks:
+            lines["everything else vs plain DDP"].add(c.ok, f"{c.name}: {c.detail}")
+        for r in plain.rows:
+            name = "gradients vs plain DDP" if r.what == "gradient" else "everything else vs plain DDP"
+            lines[name].add(r.err.ok, _row_detail(r), r.err.ratio)
+        return cls(case, list(lines.values()), one, plain, replay)
+
+    @property
+    def ok(self) -> bool:
+        return all(line.ok for line in self.lines)
+
+    @property
+    def first_module(self) -> str | None:
+        return self.one_device.first_module
+
+    def _title(self) -> str:
+        c = self.case
+        dp = next((k for k, v in DP.items() if v == c.entry), c.entry)
+        return (f"{c.model} with TP on mesh (dp={c.dp}, tp={c.tp}), dp={dp}, {c.steps} step"
+                f"{'s' if c.steps > 1 else ''}, {c.dtype}: {'PASS' if self.ok else 'DIVERGES'}")
+
+    def __str__(self) -> str:
+        reached = next(x for x in self.lines if x.check == "trains without an exception").ok
+        out = [self._title(), "", f"  {'check':<30}{'result':<8}{'compared':>9}  worst ratio / detail"]
+        for line in self.lines:
+            result, detail = line.cell(reached)
+            out.append(f"  {line.check:<30}{result:<8}{line.compared:>9}  {detail}".rstrip())
+        # Against one device first; plain DDP's own report only adds news when that passed.
+        verdict = self.one_device if not self.one_device.ok else self.plain_ddp
+        if not verdict.ok:
+            out += ["", verdict.report()]
+        out += ["", f"replay: {self.replay}"]
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        c = self.case
+        failures = [{"against": v.against, "what": r.what, "step": r.step, "name": r.name,
+                     "max_abs": _number(r.err.max_abs), "max_rel": _number(r.err.max_rel),
+                     "bound": _number(r.err.bound), "ratio": _number(r.err.ratio)}
+                    for v in (self.one_device, self.plain_ddp)
+                    for r in v.rows if not r.err.ok]
+        return {
+            "ok": self.ok,
+            "case": {"model": c.model, "mesh": list(c.mesh_shape), "dp": c.entry, "steps": c.steps,
+                     "accumulate": c.accumulate, "batch": c.global_batch, "dtype": c.dtype, "seed": c.seed},
+            "checks": [{"check": x.check, "ok": x.ok, "compared": x.compared, "failed": x.failed,
+                        "worst_ratio": _number(x.worst), "detail": x.detail} for x in self.lines],
+            "first_module": self.first_module,
+            "plain_ddp": self.one_device.plain_ddp,
+            "failures": failures,
+            "report": str(self),
+            "replay": self.replay,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
