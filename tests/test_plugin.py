@@ -60,3 +60,57 @@ def test_the_plugin_can_be_disabled(pytester):
     result = pytester.runpytest_subprocess("-p", "no:tpdp_verify", "-k", "roundtrip")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*fixture 'tpdp_pool' not found*"])
+
+
+USER_PLAN_TESTS = """
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+def make_model():
+    return MLP()
+
+def inputs(n, generator):
+    return torch.randn(n, 8, generator=generator)
+
+def test_my_plan(tpdp):
+    report = tpdp.verify_plan(make_model, {"up": ColwiseParallel(), "down": RowwiseParallel()}, input_fn=inputs)
+    print("mesh", report.case.mesh_shape, "compared", sum(x.compared for x in report.lines))
+
+@pytest.mark.tpdp(mesh=(2, 2))
+def test_my_plan_on_four_ranks(tpdp, tpdp_pool):
+    report = tpdp.verify_plan(make_model, {"up": ColwiseParallel(), "down": RowwiseParallel()}, input_fn=inputs, steps=1)
+    print("mesh", report.case.mesh_shape, "world", tpdp_pool.world_size)
+
+def test_my_swapped_plan(tpdp):
+    tpdp.verify_plan(make_model, {"up": RowwiseParallel(), "down": ColwiseParallel()}, input_fn=inputs, steps=1)
+
+def test_my_typo(tpdp):
+    tpdp.verify_plan(make_model, {"upp": ColwiseParallel(), "down": RowwiseParallel()}, input_fn=inputs)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_tpdp_fixture_verifies_a_users_plan(pytester):
+    pytester.makepyfile(test_plans=USER_PLAN_TESTS)
+    result = pytester.runpytest_subprocess("-s", "--tpdp-impl", "reference", "--junitxml=plans.xml")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines_random([
+        "*mesh (1, 2) compared *",
+        "*mesh (2, 2) world 4",
+        "*DIVERGES*",
+        "*trains without an exception*FAIL*in the forward of up*",
+        "*tpdp-verify: plan key 'upp' matches no module of the model; did you mean 'up'?*",
+    ])
+    assert "in the forward of up" in (pytester.path / "plans.xml").read_text()
+    result = pytester.runpytest_subprocess("--tpdp-impl", "reference", "-x", "-k", "swapped or typo")
+    result.assert_outcomes(failed=1)

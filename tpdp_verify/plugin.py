@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "tpdp(world_size=N, mesh=(dp, tp)): run the test on a pool of N ranks (default "
-        "--tpdp-world-size); mesh is the shape the test's checks use",
+        "--tpdp-world-size, or dp * tp of the mesh); mesh is the default of tpdp.verify_plan",
     )
 
 
@@ -67,12 +67,59 @@ def tpdp_pools(pytestconfig: pytest.Config):
     pools.close()
 
 
+def _marked(request: pytest.FixtureRequest) -> tuple[int, tuple[int, int] | None]:
+    """The world size and mesh the test's tpdp marker asks for, with the options' defaults."""
+    marker = request.node.get_closest_marker("tpdp")
+    kwargs = marker.kwargs if marker else {}
+    mesh = tuple(kwargs["mesh"]) if kwargs.get("mesh") else None
+    world_size = kwargs.get("world_size") or (mesh[0] * mesh[1] if mesh else _option(request.config, "world_size"))
+    return int(world_size), mesh
+
+
 @pytest.fixture
 def tpdp_pool(request: pytest.FixtureRequest, tpdp_pools: Pools) -> RankPool:
-    """A RankPool of the marker's world_size, else --tpdp-world-size; shared by the session."""
-    marker = request.node.get_closest_marker("tpdp")
-    world_size = marker.kwargs.get("world_size") if marker else None
-    return tpdp_pools.get(int(world_size or _option(request.config, "world_size")))
+    """A RankPool of the marker's world_size (or its mesh's), else --tpdp-world-size;
+    shared by the session."""
+    return tpdp_pools.get(_marked(request)[0])
+
+
+class Tpdp:
+    """What the ``tpdp`` fixture gives a test: verify_plan on the session's pool, failing
+    the test with the report when the plan departs."""
+
+    def __init__(self, pool: RankPool, impl: str, mesh: tuple[int, int]):
+        self.pool, self.impl, self.mesh = pool, impl, mesh
+
+    def verify_plan(self, model_fn, plan, **kwargs):
+        """tpdp_verify.verify_plan with this test's pool, mesh and implementation; returns
+        the Report when every check passes, else fails the test with it."""
+        from tpdp_verify.errors import UsageError
+        from tpdp_verify.plan import verify_plan
+
+        kwargs.setdefault("mesh", self.mesh)
+        kwargs.setdefault("impl", self.impl)
+        try:
+            report = verify_plan(model_fn, plan, pool=self.pool, **kwargs)
+        except UsageError as exc:
+            mistake = str(exc)  # failed outside the handler: no chained traceback
+        else:
+            mistake = ""
+        if mistake:
+            pytest.fail(f"tpdp-verify: {mistake}", pytrace=False)
+        if not report.ok:
+            pytest.fail(str(report), pytrace=False)
+        return report
+
+
+@pytest.fixture
+def tpdp(request: pytest.FixtureRequest, tpdp_pool: RankPool, tpdp_impl: str) -> Tpdp:
+    """``tpdp.verify_plan(model_fn, plan, input_fn=..., ...)``: see tpdp_verify.verify_plan.
+    The mesh defaults to the marker's, else (1, world size) on 2 ranks, (2, world size / 2)
+    on more."""
+    world_size, mesh = _marked(request)
+    if mesh is None:
+        mesh = (2, world_size // 2) if world_size >= 4 and world_size % 2 == 0 else (1, world_size)
+    return Tpdp(tpdp_pool, tpdp_impl, mesh)
 
 
 @pytest.fixture(scope="session")

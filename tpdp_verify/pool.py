@@ -137,6 +137,8 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s) -> No
     # redistribute; on every rank and every example it would bury the report.
     warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # A failed shape propagation logs its traceback before raising; the raise is reported.
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
     try:
         loopback = _loopback_interface()

@@ -82,7 +82,7 @@ class Verdict:
             raise divergence(self.kind)(self.report())
 
     def report(self, limit: int = 20) -> str:
-        bad_checks = [c for c in self.checks if not c.ok]
+        bad_checks = list({c.detail: c for c in self.checks if not c.ok}.values())  # one exception, once
         bad_rows = sorted((r for r in self.rows if not r.err.ok), key=lambda r: (r.step, -r.err.ratio))
         lines = [f"TP+DP departs from {self.against}: {len(bad_checks)} of {len(self.checks)} checks "
                  f"and {len(bad_rows)} of {len(self.rows)} values beyond their bound"]
