@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import difflib
 import pickle
+import sys
 import warnings
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,8 +29,12 @@ DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
 
 
 def name_of(fn) -> str:
-    """``module:qualname``, how the CLI and the replay line name a function."""
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    """``module:qualname``, how the CLI and the replay line name a function; a script's
+    functions by the script's name, the module its directory imports."""
+    module = getattr(fn, "__module__", "?")
+    if module in ("__main__", "__mp_main__"):
+        module = Path(getattr(sys.modules[module], "__file__", module)).stem
+    return f"{module}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def mean_square(out, batch: dict) -> torch.Tensor:

@@ -44,8 +44,10 @@ def _section(name: str) -> str:
     if name.startswith(("replicas agree", "tp ranks of a dp group")):
         return "DP replicas equal"
     if name in ("the same parameters are trainable", "frozen parameters stay unchanged",
-                "every rank trains the same parameters"):
+                "every rank has the same trainable parameters"):
         return "requires_grad preserved"
+    if name.startswith(("parameters stay registered", "every rank has the same registry")):
+        return "registry preserved"
     if name == "trainable parameters move as in the oracle":
         return "parameters after each step"
     kind = next((k for k in _BY_KIND if k in name), None)

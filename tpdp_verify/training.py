@@ -36,6 +36,7 @@ class Trace:
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
     error: str = ""  # what the run raised, if it raised
     raised_in: str = ""  # the innermost module whose forward raised it, if one did
+    registry: list[str] = field(default_factory=list)  # named_parameters() of the model after training
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
 
 
@@ -214,6 +215,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 trace.params.append(_snapshot(run, current))
             trace.state.append({} if run.state_unobserved else _state(run, params, optimizer))
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
+        trace.registry = [n for n, _ in run.inner.named_parameters()]
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
         trace.raised_in = running[-1] or "<the whole model>" if running else ""
         where = f"in the forward of {trace.raised_in}: " if running else ""

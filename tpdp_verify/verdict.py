@@ -145,11 +145,12 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     if errors != {""}:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
     whole = Trace(trainable=traces[0].trainable, activations=traces[0].activations,
-                  state_unobserved=traces[0].state_unobserved)
-    differ = [r for r, t in enumerate(traces) if t.trainable != whole.trainable]
-    checks.append(Check("every rank trains the same parameters", not differ,
-                        f"ranks {differ} differ from rank 0: {[traces[r].trainable for r in differ]} "
-                        f"against {whole.trainable}"))
+                  state_unobserved=traces[0].state_unobserved, registry=traces[0].registry)
+    for what in ("trainable", "registry"):
+        differ = [r for r, t in enumerate(traces) if getattr(t, what) != getattr(whole, what)]
+        checks.append(Check(f"every rank has the same {what} parameters", not differ,
+                            f"ranks {differ} differ from rank 0: {[getattr(traces[r], what) for r in differ]} "
+                            f"against {getattr(whole, what)}"))
     for what in ("grads", "params", "state", "buffers"):
         steps, problems = _merged(what, [getattr(t, what) for t in traces], first=int(what != "params"))
         setattr(whole, what, steps)
@@ -214,6 +215,7 @@ def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
     frozen = sorted(set(shadow.params[0]) - set(shadow.trainable))
     v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,
                           f"trainable {observed.trainable}, oracle {shadow.trainable}"))
+    v.checks.append(_registry(observed.registry, shadow.registry))
     for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
         _values("output", i, {"model": o}, {"model": b}, {"model": s}, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
@@ -244,6 +246,16 @@ def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
         v.checks.append(Check("compared at least one value a parameter", False,
                               f"compared {len(v.rows)} values for {len(shadow.params[0])} parameters"))
     return v
+
+
+def _registry(observed: list[str], oracle: list[str]) -> Check:
+    """The model's named_parameters() after training: the optimizer a user builds then, and
+    state_dict(), see exactly these, in this order."""
+    missing, extra = [n for n in oracle if n not in observed], [n for n in observed if n not in oracle]
+    detail = (f"after training named_parameters() lacks {missing}" if missing else
+              f"after training named_parameters() has unexpected {extra}" if extra else
+              f"after training named_parameters() gives {observed}, the oracle {oracle}")
+    return Check("parameters stay registered, in order", observed == oracle, detail)
 
 
 def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Trace) -> str | None:
