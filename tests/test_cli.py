@@ -1,23 +1,45 @@
-"""The gate from the shell: exit codes, the summary, and a replay script that replays."""
+"""The command line from the shell: exit codes, the summary, a replay script that replays,
+the gate's JSON, JUnit and Markdown files, and ``env``."""
 
+import json
+import os
 import re
 import subprocess
 import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
+from tpdp_verify.gate import _heartbeat
 from tpdp_verify.properties import ALL, entry_points_train_like_one_device
+from tpdp_verify.suite import Stats
 
 
-def gate(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", *args],
+def cli(command, *args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tpdp_verify", command, *args],
                           capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
+def gate(*args, cwd=None):
+    return cli("gate", *args, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def torch_gate(tmp_path_factory):
+    """One smoke run against torch for every test of its output: a run takes a minute or more."""
+    files = tmp_path_factory.mktemp("gate")
+    out = gate("--profile", "smoke", "--json", str(files / "gate.json"),
+               "--junit", str(files / "junit.xml"), "--markdown", str(files / "gate.md"))
+    return out, files
+
+
 @pytest.mark.timeout(300)
-def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_same_way(tmp_path):
-    out = gate("--profile", "smoke")
+def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_same_way(
+        torch_gate, tmp_path):
+    out, _ = torch_gate
     assert out.returncode == 1, out.stderr
     assert f"0 passed, {len(ALL)} diverged, 0 infrastructure failures" in out.stdout
     assert "== flatten_roundtrip (world size 2): diverges" in out.stdout
@@ -59,3 +81,144 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "tpdp-verify"
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "exit codes: 0 ok, 1 divergence found" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_progress_lines_count_properties_failures_and_elapsed_time(torch_gate):
+    out, _ = torch_gate
+    lines = re.findall(r"\[(\d)/(\d)\] (\w+) +world 2 +([A-Z]+) +\d+ examples .*"
+                       r"\(failures so far: (\d+), elapsed (\d+) s\)", out.stdout)
+    assert [(int(done), int(total), name) for done, total, name, *_ in lines] == [
+        (i, len(ALL), prop.name) for i, prop in enumerate(ALL, 1)], out.stdout
+    failures = [int(failed) for *_, failed, _ in lines]
+    assert failures == list(range(1, len(ALL) + 1))  # every property diverges against torch
+    elapsed = [int(seconds) for *_, seconds in lines]
+    assert elapsed == sorted(elapsed)
+
+
+@pytest.mark.timeout(300)
+def test_gate_json_has_the_header_and_an_entry_per_property(torch_gate):
+    out, files = torch_gate
+    record = json.loads((files / "gate.json").read_text())
+    assert {k: record[k] for k in ("command", "impl", "profile", "backend", "world_sizes",
+                                   "exit_code", "error")} == {
+        "command": "gate", "impl": "torch", "profile": "smoke", "backend": "auto",
+        "world_sizes": [2], "exit_code": out.returncode, "error": ""}
+    assert [p["name"] for p in record["properties"]] == [prop.name for prop in ALL]
+    assert record["counts"] == {"pass": 0, "diverges": len(ALL), "infra": 0}
+    for p in record["properties"]:
+        assert p["status"] == "diverges" and p["examples"] >= 1 and p["backend"] == "gloo"
+        assert p["findings"] and all(f["failure"] for f in p["findings"])
+        assert p["report"] in out.stdout  # the report is the terminal's, word for word
+    assert sum(p["seconds"] for p in record["properties"]) <= record["seconds"]
+    assert "RankPool(2)" in record["properties"][0]["findings"][0]["replay"]
+
+
+@pytest.mark.timeout(300)
+def test_gate_junit_has_a_failing_testcase_per_divergent_property(torch_gate):
+    out, files = torch_gate
+    root = ET.parse(files / "junit.xml").getroot()
+    (suite,) = root.iter("testsuite")
+    assert suite.get("name") == "tpdp-verify gate"
+    cases = suite.findall("testcase")
+    assert len(cases) == int(suite.get("tests")) == len(ALL)
+    assert [c.get("name") for c in cases] == [f"{p.name}[world_size=2]" for p in ALL]
+    failures = [c.find("failure") for c in cases]
+    assert out.returncode == 1 and all(f is not None for f in failures)
+    assert int(suite.get("failures")) == len(failures) and suite.get("errors") == "0"
+    for f in failures:
+        first = f.text.splitlines()[1]  # the line after the report's "== property" header
+        assert "\n" not in f.get("message") and f.get("message").startswith(first[:100])
+        assert "-- replay" in f.text
+    assert {p.get("name"): p.get("value") for p in suite.iter("property")}["impl"] == "torch"
+
+
+@pytest.mark.timeout(300)
+def test_gate_markdown_has_a_row_and_a_fenced_report_per_divergence(torch_gate):
+    _, files = torch_gate
+    md = (files / "gate.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and " | 2 | " in line]
+    assert [row.split(" | ")[2] for row in rows] == ["DIVERGES"] * len(ALL)
+    assert md.count("\n```text\n") == len(ALL)
+    assert f"0 passed, {len(ALL)} diverged" in md.splitlines()[0]
+
+
+@pytest.mark.parametrize("command, option, path, reason", [
+    ("gate", "--json", "no_such_dir/gate.json", "No such file or directory"),
+    ("gate", "--junit", ".", "Is a directory"),
+    ("env", "--json", "no_such_dir/env.json", "No such file or directory"),
+])
+def test_an_unwritable_output_is_one_line_and_exit_code_2_before_anything_runs(
+        command, option, path, reason, tmp_path):
+    start = time.monotonic()
+    out = cli(command, option, path, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == f"tpdp-verify: error: cannot write {option} {path}: {reason}\n"
+    assert out.stdout == ""  # no rank started, no environment probed
+    assert time.monotonic() - start < 30  # the smoke gate alone takes a minute
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_same_file_for_two_outputs_is_refused(tmp_path):
+    out = gate("--json", "run.out", "--markdown", "./run.out", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr == "tpdp-verify: error: --json and --markdown both name ./run.out; give " \
+        "each its own file\n"
+
+
+def test_env_says_what_this_machine_can_run_and_writes_it_as_json(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    out = cli("env", "--json", "env.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    record = json.loads((tmp_path / "env.json").read_text())
+    assert record["torch"] == torch.__version__ and record["torch"] in out.stdout
+    assert record["backends"] == {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available()}
+    assert record["cpus"] == len(os.sched_getaffinity(0)) and record["gpus"] == torch.cuda.device_count()
+    assert record["implementations"] == {"torch": "ok", "reference": "ok"}
+    assert record["world_sizes"]["gloo"]["max"] is None
+    if not torch.cuda.is_available():
+        assert record["world_sizes"]["nccl"] == {"max": 0, "note": "none: no GPU"}
+        assert "nccl: none: no GPU" in out.stdout
+    assert re.search(r"^world sizes +gloo: any; more ranks than the \d+ CPUs time-share them$",
+                     out.stdout, re.M), out.stdout
+
+
+def test_python_m_and_the_console_script_are_the_same_command(tmp_path):
+    script = Path(sys.executable).parent / "tpdp-verify"
+    args = ["gate", "--json", "no_such_dir/gate.json"]  # the quickest path through main()
+    by_script = subprocess.run([str(script), *args], capture_output=True, text=True, cwd=tmp_path)
+    by_module = cli(*args, cwd=tmp_path)
+    assert (by_script.returncode, by_script.stderr) == (by_module.returncode, by_module.stderr)
+    assert by_module.returncode == 2 and by_module.stderr.startswith("tpdp-verify: error: ")
+
+
+def test_a_long_property_says_it_still_runs():
+    lines, stats = [], Stats(examples=3)
+    with _heartbeat("slow_property", stats, lines.append, every=0.05):
+        time.sleep(0.3)
+    assert lines and re.fullmatch(r" +\.\.\. slow_property: 3 examples so far, \d+ s", lines[0])
+    assert not any(t.name == "tpdp-heartbeat" for t in threading.enumerate())
+
+
+def test_ranks_that_will_not_start_still_leave_the_files(tmp_path, monkeypatch, capsys):
+    from tpdp_verify import cli as cli_mod
+    from tpdp_verify import gate as gate_mod
+    from tpdp_verify.errors import PoolError
+
+    def cut_short(*args, **kwargs):  # world size 2 ran, world size 4's ranks did not start
+        yield gate_mod.Outcome("flatten_roundtrip", 2, "pass", 1.0, Stats(10, 10), backend="gloo")
+        raise PoolError("ranks 2, 3 failed to join the gloo process group")
+
+    monkeypatch.setattr(gate_mod, "iter_gate", cut_short)
+    code = cli_mod.main(["gate", "--profile", "ci", "--json", str(tmp_path / "gate.json"),
+                         "--junit", str(tmp_path / "junit.xml")])
+    assert code == 3
+    assert capsys.readouterr().err == ("tpdp-verify: infrastructure failure: ranks 2, 3 failed "
+                                       "to join the gloo process group\n")
+    record = json.loads((tmp_path / "gate.json").read_text())
+    assert (record["exit_code"], record["counts"]["pass"]) == (3, 1)
+    assert record["error"].startswith("ranks 2, 3 failed")
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("errors")) == ("2", "1")

@@ -7,10 +7,12 @@ case and a script that replays it) or infra (ranks hung or died: no verdict).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from hypothesis.reporting import with_reporter
@@ -31,6 +33,10 @@ class Outcome:
     stats: Stats = field(default_factory=Stats)
     message: str = ""  # why there is no verdict (infra)
     findings: list[tuple[str, str]] = field(default_factory=list)  # (failure, replay script)
+    backend: str = ""  # the process group's, as the pool chose it
+
+
+REPLAY = "-- replay (save as a file and run it with python):"
 
 
 def _failure_text(exc: BaseException, reported: list[str]) -> str:
@@ -39,14 +45,21 @@ def _failure_text(exc: BaseException, reported: list[str]) -> str:
     return "\n".join([lines, *extra])
 
 
-def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile) -> Outcome:
+def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
+                   progress: Callable[[str], None] | None = None, every: float = 60.0) -> Outcome:
+    """Run one property; with ``progress``, say every ``every`` seconds that it still runs."""
     stats, reported = Stats(), []
     start = time.monotonic()
+
+    def outcome(status: str, **details) -> Outcome:
+        return Outcome(prop.name, pool.world_size, status, time.monotonic() - start, stats,
+                       backend=pool.backend, **details)
+
     try:
-        with with_reporter(reported.append):
+        with with_reporter(reported.append), _heartbeat(prop.name, stats, progress, every):
             prop.run(pool, impl, profile, stats)
     except PoolError as exc:
-        return Outcome(prop.name, pool.world_size, "infra", time.monotonic() - start, stats, str(exc))
+        return outcome("infra", message=str(exc))
     except Exception as exc:
         # hypothesis raises a group when it found distinct bugs: one message and replay each
         found = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
@@ -55,38 +68,82 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile) 
             drawn = stats.failures.get(type(e).__name__, stats.failing)
             findings.append((_failure_text(e, reported if len(found) == 1 else []),
                              prop.replay_code(pool.world_size, impl, drawn) if drawn else ""))
-        return Outcome(prop.name, pool.world_size, "diverges", time.monotonic() - start, stats,
-                       findings=findings)
-    return Outcome(prop.name, pool.world_size, "pass", time.monotonic() - start, stats)
+        return outcome("diverges", findings=findings)
+    return outcome("pass")
 
 
-def run_gate(
+@contextlib.contextmanager
+def _heartbeat(name: str, stats: Stats, progress: Callable[[str], None] | None, every: float):
+    """A line every ``every`` seconds while a property runs: a release run at world size 8
+    spends many minutes on one property, and CI kills jobs that print nothing for long."""
+    if progress is None:
+        yield
+        return
+    start, stop = time.monotonic(), threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            progress(f"      ... {name}: {stats.examples} examples so far, "
+                     f"{time.monotonic() - start:.0f} s")
+
+    thread = threading.Thread(target=beat, name="tpdp-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def iter_gate(
     properties: tuple[Property, ...],
     profile: Profile,
     impl: str = "torch",
     backend: str = "auto",
     timeout: float = 120.0,
     progress: Callable[[str], None] = print,
-) -> list[Outcome]:
+    every: float = 60.0,
+) -> Iterator[Outcome]:
+    """Each property's outcome as it comes, so that a run cut short keeps what it found.
+
+    ``progress`` gets a line per property with the count done, the failures so far and
+    the time since the start, and a line every ``every`` seconds a property runs.
+    """
     impl_mod.load(impl)  # a bad --impl fails here, in one line, before any rank starts
-    outcomes = []
-    for world_size in profile.world_sizes:
-        todo = [p for p in properties if world_size >= p.min_world_size]
+    plan = [(ws, [p for p in properties if ws >= p.min_world_size]) for ws in profile.world_sizes]
+    total = sum(len(todo) for _, todo in plan)
+    done = failed = 0
+    start = time.monotonic()
+    for world_size, todo in plan:
         if not todo:
             continue
-        start = time.monotonic()
+        up = time.monotonic()
         with RankPool(world_size, backend, timeout=timeout) as pool:
-            progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - start:.1f} s")
+            progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
-                outcome = check_property(prop, pool, impl, profile)
-                outcomes.append(outcome)
-                progress(f"  {_line(outcome)}")
-    return outcomes
+                outcome = check_property(prop, pool, impl, profile, progress, every)
+                done, failed = done + 1, failed + (outcome.status != "pass")
+                progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
+                         f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
+                yield outcome
+
+
+def run_gate(properties: tuple[Property, ...], profile: Profile, impl: str = "torch",
+             backend: str = "auto", timeout: float = 120.0,
+             progress: Callable[[str], None] = print) -> list[Outcome]:
+    """Every outcome of a whole run (see ``iter_gate``)."""
+    return list(iter_gate(properties, profile, impl, backend, timeout, progress))
 
 
 def _line(o: Outcome) -> str:
     return (f"{o.property:<34} world {o.world_size}  {o.status.upper():<8} "
             f"{o.stats.examples:>4} examples ({o.stats.discarded} discarded)  {o.seconds:6.1f} s")
+
+
+def _short_line(o: Outcome) -> str:
+    """``_line`` without the discarded count (the summary has it): progress lines stay short."""
+    return (f"{o.property:<34} world {o.world_size}  {o.status.upper():<8} "
+            f"{o.stats.examples:>4} examples  {o.seconds:6.1f} s")
 
 
 def exit_code(outcomes: list[Outcome]) -> int:
@@ -105,13 +162,20 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
         f"failures in {seconds:.1f} s",
     ]
     for o in outcomes:
-        if o.status == "pass":
-            continue
-        out += ["", f"== {o.property} (world size {o.world_size}): {o.status}"]
-        if o.message:
-            out.append(o.message)
-        for i, (failure, replay) in enumerate(o.findings):
-            out += ([""] if i else []) + [failure]
-            if replay:
-                out += ["-- replay (save as a file and run it with python):", replay.rstrip()]
+        if o.status != "pass":
+            out += ["", report(o)]
+    return "\n".join(out)
+
+
+def report(o: Outcome) -> str:
+    """Why a property has no pass: its failed checks, shrunk case and replay script each."""
+    if o.status == "pass":
+        return ""
+    out = [f"== {o.property} (world size {o.world_size}): {o.status}"]
+    if o.message:
+        out.append(o.message)
+    for i, (failure, replay) in enumerate(o.findings):
+        out += ([""] if i else []) + [failure]
+        if replay:
+            out += [REPLAY, replay.rstrip()]
     return "\n".join(out)

@@ -1,0 +1,70 @@
+"""The gate's files from made-up outcomes: what a smoke run against torch never produces
+(a pass, ranks that hung, a run cut short, text XML cannot carry), in milliseconds."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from tpdp_verify import outputs, profiles
+from tpdp_verify.errors import UsageError
+from tpdp_verify.gate import Outcome
+from tpdp_verify.suite import Stats
+
+FAILURE = "tpdp_verify.verdict.Diverged: 2 of 9 values beyond their bound\nFalsifying example: f(case=1)"
+OUTCOMES = [
+    Outcome("passes", 4, "pass", 1.25, Stats(examples=40, passed=40), backend="gloo"),
+    Outcome("diverges", 4, "diverges", 2.5, Stats(examples=12, passed=11),
+            findings=[(FAILURE + "\x1b[0m ```", "print('replay')\n")], backend="gloo"),
+    Outcome("hangs", 4, "infra", 120.0, Stats(examples=1),
+            message="ranks 1, 3 hung:\n  all in a barrier", backend="gloo"),
+]
+
+
+def record(error=""):
+    return outputs.gate_record(OUTCOMES, profiles.get("ci"), "reference", "auto", 130.0, 3,
+                               "2025-01-01T00:00:00+00:00", error)
+
+
+def test_json_counts_and_keys():
+    data = json.loads(outputs.to_json(record()))
+    assert data["counts"] == {"pass": 1, "diverges": 1, "infra": 1}
+    assert [p["status"] for p in data["properties"]] == ["pass", "diverges", "infra"]
+    assert data["properties"][0]["report"] == "" and data["properties"][1]["findings"][0]["replay"]
+    assert list(data["properties"][0]) == ["name", "world_size", "backend", "status", "examples",
+                                           "passed", "discarded", "seconds", "message",
+                                           "findings", "report"]
+
+
+def test_junit_has_a_failure_for_a_divergence_and_an_error_for_a_hang():
+    suite = ET.fromstring(outputs.to_junit(record())).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "1", "1")
+    passes, diverges, hangs = suite.findall("testcase")
+    assert list(passes) == [] and passes.get("time") == "1.250"
+    failure = diverges.find("failure")
+    assert failure.get("message") == FAILURE.splitlines()[0]
+    assert "\x1b" not in failure.text and "Falsifying example: f(case=1)" in failure.text
+    assert hangs.find("error").get("message") == "ranks 1, 3 hung: all in a barrier"
+
+
+def test_junit_counts_a_run_cut_short_as_one_more_error():
+    why = "ranks of world size 8 did not start"
+    suite = ET.fromstring(outputs.to_junit(record(why))).find("testsuite")
+    assert (suite.get("tests"), suite.get("errors")) == ("4", "2")
+    assert suite.findall("testcase")[-1].find("error").get("message") == why
+
+
+def test_markdown_fences_each_report_beyond_its_own_backticks():
+    md = outputs.to_markdown(record("cut short"))
+    assert "| diverges | 4 | DIVERGES | 12 | 2.5 |" in md
+    assert "**The run stopped early**: cut short" in md
+    assert md.count("\n````text\n") == 1 and md.count("\n```text\n") == 1  # the hang has no backticks
+
+
+def test_check_writable_leaves_no_file_and_keeps_an_existing_one(tmp_path):
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    outputs.check_writable({"--json": str(existing), "--junit": str(tmp_path / "new.xml")})
+    assert existing.read_text() == "kept" and not (tmp_path / "new.xml").exists()
+    with pytest.raises(UsageError, match=r"^cannot write --markdown .*/no/x.md: No such file"):
+        outputs.check_writable({"--markdown": str(tmp_path / "no" / "x.md")})

@@ -1,0 +1,280 @@
+"""What the commands write for CI and for people: JSON records, JUnit XML, Markdown.
+
+A run becomes one record, a dict whose keys docs/cli.md documents; the JSON file is the
+record itself and the JUnit and Markdown files are views of it, so the three agree.
+Output paths are checked before the run: a typo in a path must not cost a long run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from typing import Callable
+
+from tpdp_verify.errors import UsageError
+
+# torch and the gate are imported where used: a bad output path fails before they load
+
+SCHEMA = 1  # bumped when a key changes meaning or goes away; new keys keep it
+
+
+# -- files
+
+
+def check_writable(files: dict[str, str]) -> None:
+    """Fail now, in one line, if an output (``{"--json": path}``) cannot be written."""
+    seen: dict[str, str] = {}
+    for option, path in files.items():
+        real = os.path.realpath(path)
+        if real in seen:
+            raise UsageError(f"{seen[real]} and {option} both name {path}; give each its own file")
+        seen[real] = option
+        existed = os.path.lexists(path)
+        try:
+            with open(path, "a", encoding="utf-8"):  # "a": an existing file keeps its text
+                pass
+        except OSError as exc:
+            raise UsageError(_cannot_write(option, path, exc)) from None
+        if not existed:
+            os.remove(path)
+
+
+def write(files: dict[str, str], record: dict) -> None:
+    """Render ``record`` into each file asked for: ``{"--junit": path}`` gets JUnit XML."""
+    for option, path in files.items():
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(RENDER[option](record))
+        except OSError as exc:
+            raise UsageError(_cannot_write(option, path, exc)) from None
+
+
+def _cannot_write(option: str, path: str, exc: OSError) -> str:
+    return f"cannot write {option} {path}: {exc.strerror or exc}"
+
+
+def now() -> str:
+    """The time a run started, as ISO 8601 in UTC (JUnit's timestamp, the record's started)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tpdp-verify")
+    except metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+# -- the gate
+
+
+def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float,
+                exit_code: int, started: str, error: str = "") -> dict:
+    """The gate's run as plain data: the header, the counts and one entry per outcome."""
+    import torch
+
+    from tpdp_verify.gate import report
+
+    return {
+        "schema": SCHEMA,
+        "command": "gate",
+        "tpdp_verify": _version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "impl": impl,
+        "profile": profile.name,
+        "max_examples": profile.max_examples,
+        "backend": backend,
+        "world_sizes": list(profile.world_sizes),
+        "started": started,
+        "seconds": round(seconds, 3),
+        "exit_code": exit_code,
+        "error": error,
+        "counts": {s: sum(o.status == s for o in outcomes) for s in ("pass", "diverges", "infra")},
+        "properties": [
+            {
+                "name": o.property,
+                "world_size": o.world_size,
+                "backend": o.backend,
+                "status": o.status,
+                "examples": o.stats.examples,
+                "passed": o.stats.passed,
+                "discarded": o.stats.discarded,
+                "seconds": round(o.seconds, 3),
+                "message": o.message,
+                "findings": [{"failure": f, "replay": r} for f, r in o.findings],
+                "report": report(o),
+            }
+            for o in outcomes
+        ],
+    }
+
+
+def to_json(record: dict) -> str:
+    return json.dumps(record, indent=2) + "\n"
+
+
+def to_junit(record: dict) -> str:
+    """One <testsuite> of one <testcase> per property and world size: a divergence is a
+    <failure>, ranks that hung or died an <error>, and so is a run that stopped early."""
+    props, counts, error = record["properties"], record["counts"], record["error"]
+    totals = {"tests": len(props) + bool(error), "failures": counts["diverges"],
+              "errors": counts["infra"] + bool(error), "skipped": 0}
+    totals = {k: str(v) for k, v in totals.items()} | {"time": f"{record['seconds']:.3f}"}
+    root = ET.Element("testsuites", name="tpdp-verify gate", **totals)
+    suite = ET.SubElement(root, "testsuite", name="tpdp-verify gate", **totals,
+                          timestamp=record["started"])
+    properties = ET.SubElement(suite, "properties")
+    for key in ("tpdp_verify", "torch", "python", "impl", "profile", "backend", "exit_code"):
+        ET.SubElement(properties, "property", name=key, value=str(record[key]))
+    ET.SubElement(properties, "property", name="world_sizes",
+                  value=", ".join(map(str, record["world_sizes"])))
+    for p in props:
+        case = ET.SubElement(suite, "testcase", classname="tpdp_verify.properties",
+                             name=f"{p['name']}[world_size={p['world_size']}]",
+                             time=f"{p['seconds']:.3f}")
+        if p["status"] != "pass":
+            tag = "failure" if p["status"] == "diverges" else "error"
+            first = p["findings"][0]["failure"] if p["findings"] else p["message"]
+            element = ET.SubElement(case, tag, message=_one_line(first), type=p["status"])
+            element.text = _xml_text(p["report"])
+    if error:
+        case = ET.SubElement(suite, "testcase", classname="tpdp_verify.gate", name="run", time="0")
+        ET.SubElement(case, "error", message=_one_line(error), type="infra").text = _xml_text(error)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def to_markdown(record: dict) -> str:
+    """A table for people (a CI job summary, a pull request), then each failure's report."""
+    c = record["counts"]
+    out = [
+        f"# tpdp-verify gate: {c['pass']} passed, {c['diverges']} diverged, "
+        f"{c['infra']} infrastructure failures",
+        "",
+        f"torch {record['torch']}, implementation `{record['impl']}`, profile {record['profile']} "
+        f"({record['max_examples']} examples a property on world sizes "
+        f"{', '.join(map(str, record['world_sizes']))}), backend {record['backend']}: "
+        f"{record['seconds']:.1f} s, exit code {record['exit_code']}.",
+        "",
+    ]
+    if record["error"]:
+        out += [f"**The run stopped early**: {_one_line(record['error'])}", ""]
+    out += ["| property | world size | result | examples | seconds |",
+            "| --- | ---: | --- | ---: | ---: |"]
+    out += [f"| {p['name']} | {p['world_size']} | {p['status'].upper()} | {p['examples']} "
+            f"| {p['seconds']:.1f} |" for p in record["properties"]]
+    for p in record["properties"]:
+        if p["report"]:
+            out += ["", f"## {p['name']} (world size {p['world_size']}): {p['status']}", "",
+                    *_fenced(p["report"])]
+    return "\n".join(out) + "\n"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """A message attribute: the first non-blank line (and the next, when the first ends
+    in a colon: "3 of 16 checks failed:" says less than its first check), cut to ``limit``."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()] or [""]
+    line = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# Characters XML 1.0 cannot carry even escaped (a rank's stray terminal codes, say)
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_text(text: str) -> str:
+    return _NOT_XML.sub("?", text)
+
+
+def _fenced(text: str) -> list[str]:
+    """``text`` in a fence longer than any run of backticks inside it."""
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    return [f"{fence}text", text, fence]
+
+
+# -- the environment
+
+
+def env_record() -> dict:
+    """What this machine and torch build can run; quick: no process group starts."""
+    import torch
+    import torch.distributed as dist
+
+    from tpdp_verify import impl, profiles
+
+    distributed = dist.is_available()
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "schema": SCHEMA,
+        "command": "env",
+        "tpdp_verify": _version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": cpus,
+        "cuda": cuda,
+        "gpus": gpus,
+        "backends": {"gloo": distributed and dist.is_gloo_available(),
+                     "nccl": distributed and dist.is_nccl_available()},
+        "world_sizes": {"gloo": _gloo_sizes(distributed and dist.is_gloo_available(), cpus),
+                        "nccl": _nccl_sizes(distributed and dist.is_nccl_available(), gpus)},
+        "implementations": {name: _loads(impl.load, name) for name in ("torch", "reference")},
+        "profiles": {p.name: {"max_examples": p.max_examples, "world_sizes": list(p.world_sizes)}
+                     for p in profiles.PROFILES.values()},
+    }
+
+
+def _gloo_sizes(available: bool, cpus: int | None) -> dict:
+    if not available:
+        return {"max": 0, "note": "none: this torch build has no gloo"}
+    return {"max": None, "note": f"any; more ranks than the {cpus} CPUs time-share them"}
+
+
+def _nccl_sizes(available: bool, gpus: int) -> dict:
+    if gpus == 0:
+        return {"max": 0, "note": "none: no GPU"}
+    if not available:
+        return {"max": 0, "note": "none: this torch build has no NCCL"}
+    return {"max": gpus, "note": f"1 to {gpus}: one GPU a rank"}
+
+
+def _loads(load: Callable[[str], object], name: str) -> str:
+    """``ok``, or why the gate could not use implementation ``name``."""
+    try:
+        load(name)
+    except Exception as exc:  # whatever stops it, env reports it and goes on
+        return f"error: {exc}"
+    return "ok"
+
+
+def env_text(record: dict) -> str:
+    sizes, backends = record["world_sizes"], record["backends"]
+    rows = [
+        ("tpdp-verify", record["tpdp_verify"]),
+        ("torch", record["torch"]),
+        ("python", f"{record['python']} on {record['platform']}"),
+        ("cpus", record["cpus"]),
+        ("cuda", f"{'available' if record['cuda'] else 'not available'}, {record['gpus']} GPUs"),
+        ("backends", ", ".join(f"{b} {'yes' if ok else 'no'}" for b, ok in backends.items())),
+        ("world sizes", f"gloo: {sizes['gloo']['note']}"),
+        ("", f"nccl: {sizes['nccl']['note']}"),
+        ("implementations", ", ".join(f"{n} ({s})" for n, s in record["implementations"].items())
+         + "; or --impl a.dotted.path"),
+    ]
+    rows += [("profiles" if i == 0 else "", f"{name}: {p['max_examples']} examples a property, "
+              f"world sizes {', '.join(map(str, p['world_sizes']))}")
+             for i, (name, p) in enumerate(record["profiles"].items())]
+    return "\n".join(f"{key:<16} {value}" for key, value in rows)
+
+
+RENDER: dict[str, Callable[[dict], str]] = {
+    "--json": to_json, "--junit": to_junit, "--markdown": to_markdown,
+}
