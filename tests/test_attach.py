@@ -55,3 +55,34 @@ def test_world_size_must_match_the_launcher(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(UsageError, match="torchrun launched 4 ranks but the pool asked for 2"):
         RankPool(2)
+
+
+PLAN_SCRIPT = """
+import os
+import sys
+import user_models as um
+from tpdp_verify import verify_plan
+
+report = verify_plan(um.make_mlp, um.PLAN, mesh=(1, 2), input_fn=um.vectors, steps=1, impl="reference")
+# verify_plan's own pool initialized the group and has destroyed it: the rank is torchrun's.
+with open(f"{sys.argv[1]}/rank{os.environ['RANK']}.txt", "w") as f:
+    f.write(f"{report.ok} {sum(x.compared for x in report.lines)}")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_verify_plan_runs_on_the_torchrun_group(tmp_path):
+    """docs/torchrun.md: the same call under torchrun, every rank the same report."""
+    script = tmp_path / "plan.py"
+    script.write_text(PLAN_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=150,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)}
+    assert len(lines) == 1, lines
+    ok, compared = lines.pop().split()
+    assert ok == "True" and int(compared) > 50
