@@ -222,3 +222,40 @@ def test_ranks_that_will_not_start_still_leave_the_files(tmp_path, monkeypatch, 
     assert record["error"].startswith("ranks 2, 3 failed")
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert (suite.get("tests"), suite.get("errors")) == ("2", "1")
+
+
+# `tpdp-verify plan`: names resolve from the working directory, as for a user's project.
+USER_MODELS = str(Path(__file__).parent)
+
+
+def plan(*args):
+    return cli("plan", *args, cwd=USER_MODELS)
+
+
+def test_plan_passes_a_right_plan_and_writes_the_report(tmp_path):
+    out = plan("user_models:make_mlp", "--plan", "user_models:PLAN", "--input", "user_models:vectors",
+               "--mesh", "1x2", "--steps", "2", "--impl", "reference", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "user_models:make_mlp with TP on mesh (dp=1, tp=2), dp=ddp, 2 steps, float32: PASS" in out.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["ok"] and sum(c["compared"] for c in data["checks"]) > 50
+    assert data["replay"].startswith("tpdp-verify plan user_models:make_mlp --plan user_models:PLAN")
+
+
+def test_plan_reports_a_swapped_plan_with_exit_1():
+    out = plan("user_models:make_mlp", "--plan", "user_models:SWAPPED", "--input", "user_models:vectors",
+               "--steps", "1", "--impl", "reference")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "first module whose output departs (forward order): up" in out.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["no_such_module:f"], "cannot import 'no_such_module' for the model: ModuleNotFoundError"),
+    (["user_models:make_mpl"], "'user_models' has no 'make_mpl' for the model; did you mean 'make_mlp'?"),
+    (["user_models"], "the model 'user_models' is not module:attribute"),
+    (["user_models:make_mlp", "--mesh", "2x2", "--batch", "3"], "batch=3 does not split over dp=2 ranks"),
+], ids=["no-module", "no-attribute", "not-a-name", "batch"])
+def test_plan_input_mistakes_are_one_line_and_exit_2(args, expected):
+    out = plan(*args[:1], "--plan", "user_models:PLAN", "--input", "user_models:vectors", *args[1:])
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and expected in out.stderr, out.stderr

@@ -33,6 +33,33 @@ def _parser() -> argparse.ArgumentParser:
                     junit="the run as JUnit XML, a test case a property",
                     markdown="the run as a Markdown table and the failures' reports")
 
+    plan = commands.add_parser("plan", help="verify a model's TP plan against one device and plain DP",
+                               description="Names are module:attribute, imported with the current "
+                               "directory on the path (docs/user-guide.md).")
+    plan.add_argument("model", metavar="MODULE:FACTORY", help="model_fn(): the unsharded model")
+    plan.add_argument("--plan", required=True, metavar="MODULE:PLAN",
+                      help="a dict for parallelize_module, or a function tp_mesh -> dict")
+    plan.add_argument("--input", required=True, metavar="MODULE:FN",
+                      help="input_fn(n, generator): the input of n samples, or a dict with it under 'input'")
+    plan.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, batch): one loss per sample "
+                      "(default: mean square)")
+    plan.add_argument("--optimizer", metavar="MODULE:FN", help="optimizer_fn(params) (default: SGD, lr 0.1, "
+                      "momentum 0.9)")
+    plan.add_argument("--mesh", default="1x2", type=_mesh, help="DPxTP (default: 1x2)")
+    plan.add_argument("--dp", default="ddp", choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1"))
+    plan.add_argument("--steps", type=int, default=3)
+    plan.add_argument("--batch", type=int, help="global batch, a multiple of DP (default: 2 * DP)")
+    plan.add_argument("--accumulate", type=int, default=1, help="microbatches a step")
+    plan.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    plan.add_argument("--loss-parallel", action="store_true", help="forward and loss under loss_parallel()")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--impl", default="torch",
+                      help="implementation under test: torch, reference or a dotted path")
+    plan.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    plan.add_argument("--timeout", type=float, default=120.0,
+                      help="seconds one check may take before its ranks count as hung")
+    _output_options(plan, json="the report as JSON")
+
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
     return parser
@@ -79,6 +106,58 @@ def _gate(args: argparse.Namespace) -> int:
     return code
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    try:
+        dp, tp = (int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not DPxTP, e.g. 2x2") from None
+    return dp, tp
+
+
+def _named(path: str, what: str):
+    """The object ``module:attribute`` names, the current directory on the import path."""
+    import difflib
+    import importlib
+    import os
+
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise UsageError(f"{what} {path!r} is not module:attribute, e.g. my_model:make_model")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does; spawned ranks inherit it
+    try:
+        obj = importlib.import_module(module)
+    except Exception as exc:
+        raise UsageError(f"cannot import {module!r} for {what}: {type(exc).__name__}: {exc}; "
+                         "run from the directory that holds it, or add it to PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            near = difflib.get_close_matches(part, dir(obj), n=1)
+            raise UsageError(f"{module!r} has no {attr!r} for {what}"
+                             + (f"; did you mean {near[0]!r}?" if near else ""))
+        obj = getattr(obj, part)
+    return obj
+
+
+def _plan(args: argparse.Namespace) -> int:
+    files = _outputs(args, "json")
+    from tpdp_verify import outputs
+    from tpdp_verify.errors import EXIT_DIVERGENCE
+    from tpdp_verify.plan import verify_plan
+
+    model_fn = _named(args.model, "the model")
+    named = {k: _named(v, f"--{k}") if v else None for k, v in
+             (("plan", args.plan), ("input", args.input), ("loss", args.loss), ("optimizer", args.optimizer))}
+    report = verify_plan(model_fn, named["plan"], mesh=args.mesh, input_fn=named["input"],
+                         loss_fn=named["loss"], optimizer_fn=named["optimizer"], steps=args.steps, dp=args.dp,
+                         dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
+                         loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
+                         backend=args.backend, timeout=args.timeout, replay="tpdp-verify " + " ".join(sys.argv[1:]))
+    print(report)
+    outputs.write(files, report.to_dict())
+    return EXIT_OK if report.ok else EXIT_DIVERGENCE
+
+
 def _env(args: argparse.Namespace) -> int:
     files = _outputs(args, "json")
     from tpdp_verify import outputs
@@ -89,7 +168,7 @@ def _env(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"gate": _gate, "env": _env}
+COMMANDS = {"gate": _gate, "plan": _plan, "env": _env}
 
 
 def main(argv: list[str] | None = None) -> int:
