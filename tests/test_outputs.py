@@ -8,14 +8,14 @@ import pytest
 
 from tpdp_verify import outputs, profiles
 from tpdp_verify.errors import UsageError
-from tpdp_verify.gate import Outcome
+from tpdp_verify.gate import Finding, Outcome
 from tpdp_verify.suite import Stats
 
 FAILURE = "tpdp_verify.verdict.Diverged: 2 of 9 values beyond their bound\nFalsifying example: f(case=1)"
 OUTCOMES = [
     Outcome("passes", 4, "pass", 1.25, Stats(examples=40, passed=40), backend="gloo"),
     Outcome("diverges", 4, "diverges", 2.5, Stats(examples=12, passed=11),
-            findings=[(FAILURE + "\x1b[0m ```", "print('replay')\n")], backend="gloo"),
+            findings=[Finding(FAILURE + "\x1b[0m ```", "print('replay')\n")], backend="gloo"),
     Outcome("hangs", 4, "infra", 120.0, Stats(examples=1),
             message="ranks 1, 3 hung:\n  all in a barrier", backend="gloo"),
 ]

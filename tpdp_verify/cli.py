@@ -8,7 +8,7 @@ import sys
 import time
 
 from tpdp_verify import profiles
-from tpdp_verify.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
+from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     gate.add_argument("--timeout", type=float, default=120.0,
                       help="seconds one check may take before its ranks count as hung")
+    gate.add_argument("--baseline", metavar="FILE",
+                      help="known divergences (a file, or a shipped name such as torch-2.13.0): exit 1 "
+                      "only on new ones or known ones that changed")
+    gate.add_argument("--update-baseline", action="store_true",
+                      help="write this run's divergences to --baseline FILE as the known ones")
     _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
                     junit="the run as JUnit XML, a test case a property",
                     markdown="the run as a Markdown table and the failures' reports")
@@ -81,9 +86,16 @@ def _outputs(args: argparse.Namespace, *formats: str) -> dict[str, str]:
 
 def _gate(args: argparse.Namespace) -> int:
     files = _outputs(args, "json", "junit", "markdown")  # before torch loads: fail fast
-    from tpdp_verify import outputs
-    from tpdp_verify.gate import exit_code, iter_gate, summary
+    if args.update_baseline and not args.baseline:
+        raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
+    from tpdp_verify import baseline, outputs
+    from tpdp_verify.gate import exit_code, iter_gate, rerunner, summary
     from tpdp_verify.properties import ALL
+
+    if args.update_baseline:
+        outputs.check_writable({"--baseline": args.baseline})
+    else:
+        known = baseline.load(args.baseline) if args.baseline else None  # a bad file fails now
 
     profile = profiles.get(args.profile)
     started, start, outcomes = outputs.now(), time.monotonic(), []
@@ -102,6 +114,16 @@ def _gate(args: argparse.Namespace) -> int:
     print()
     print(summary(outcomes, profile, args.impl, time.monotonic() - start))
     code = exit_code(outcomes)
+    if args.update_baseline and code != EXIT_INFRA:
+        count = baseline.write(args.baseline, outcomes, profile.name, args.impl)
+        print(f"\nwrote {count} known divergences to {args.baseline}")
+        code = EXIT_OK
+    elif args.baseline and code != EXIT_INFRA:
+        with rerunner(ALL, args.impl, args.backend, args.timeout) as rerun:
+            judged = baseline.judge(outcomes, known[1], rerun)
+        print()
+        print(baseline.report(judged, known[0], args.baseline))
+        code = EXIT_DIVERGENCE if judged.blocks else EXIT_OK
     outputs.write(files, record(code))  # with divergences too: they are what CI shows
     return code
 

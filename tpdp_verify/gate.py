@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from hypothesis.reporting import with_reporter
@@ -24,6 +24,15 @@ from tpdp_verify.profiles import Profile
 from tpdp_verify.suite import Property, Stats
 
 
+class Finding(NamedTuple):
+    """One distinct divergence hypothesis found (it shrinks each kind apart)."""
+
+    failure: str  # the exception's text and what hypothesis reported
+    replay: str = ""  # a script that replays the shrunk case
+    kind: str = ""  # the exception's type name: which check departs
+    drawn: dict | None = None  # the shrunk case, argument name -> value
+
+
 @dataclass
 class Outcome:
     property: str
@@ -32,7 +41,7 @@ class Outcome:
     seconds: float
     stats: Stats = field(default_factory=Stats)
     message: str = ""  # why there is no verdict (infra)
-    findings: list[tuple[str, str]] = field(default_factory=list)  # (failure, replay script)
+    findings: list[Finding] = field(default_factory=list)
     backend: str = ""  # the process group's, as the pool chose it
 
 
@@ -66,8 +75,9 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
         findings = []
         for e in found:
             drawn = stats.failures.get(type(e).__name__, stats.failing)
-            findings.append((_failure_text(e, reported if len(found) == 1 else []),
-                             prop.replay_code(pool.world_size, impl, drawn) if drawn else ""))
+            findings.append(Finding(_failure_text(e, reported if len(found) == 1 else []),
+                                    prop.replay_code(pool.world_size, impl, drawn) if drawn else "",
+                                    type(e).__name__, drawn))
         return outcome("diverges", findings=findings)
     return outcome("pass")
 
@@ -159,7 +169,8 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
         f"tpdp-verify gate: profile {profile.name}, implementation {impl}, torch {torch.__version__}",
         *(_line(o) for o in outcomes),
         f"{counts['pass']} passed, {counts['diverges']} diverged, {counts['infra']} infrastructure "
-        f"failures in {seconds:.1f} s",
+        f"failures in {seconds:.1f} s ({profile.name} budget {profile.budget:.0f} s"
+        f"{', OVER BUDGET' if seconds > profile.budget else ''})",
     ]
     for o in outcomes:
         if o.status != "pass":
@@ -174,8 +185,30 @@ def report(o: Outcome) -> str:
     out = [f"== {o.property} (world size {o.world_size}): {o.status}"]
     if o.message:
         out.append(o.message)
-    for i, (failure, replay) in enumerate(o.findings):
+    for i, (failure, replay, _, _) in enumerate(o.findings):
         out += ([""] if i else []) + [failure]
         if replay:
             out += [REPLAY, replay.rstrip()]
     return "\n".join(out)
+
+
+@contextlib.contextmanager
+def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto", timeout: float = 120.0):
+    """``rerun(entry)``: a baseline entry's recorded case run once more, outside hypothesis;
+    the kind of divergence it raises, or "" if it passes. Pools start on first use."""
+    by_name = {p.name: p for p in properties}
+    with contextlib.ExitStack() as stack:
+        pools: dict[int, RankPool] = {}
+
+        def rerun(entry) -> str:
+            if entry.world_size not in pools:
+                pools[entry.world_size] = stack.enter_context(RankPool(entry.world_size, backend, timeout=timeout))
+            try:
+                by_name[entry.property].fn(pools[entry.world_size], impl, **entry.drawn())
+            except PoolError:
+                raise
+            except Exception as exc:
+                return type(exc).__name__
+            return ""
+
+        yield rerun

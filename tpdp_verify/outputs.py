@@ -107,7 +107,9 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 "discarded": o.stats.discarded,
                 "seconds": round(o.seconds, 3),
                 "message": o.message,
-                "findings": [{"failure": f, "replay": r} for f, r in o.findings],
+                "findings": [{"failure": f.failure, "replay": f.replay, "kind": f.kind,
+                              "case": {k: repr(v) for k, v in (f.drawn or {}).items()}}
+                             for f in o.findings],
                 "report": report(o),
             }
             for o in outcomes

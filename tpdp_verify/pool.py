@@ -136,6 +136,8 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s) -> No
     # DTensor's advice to construct from detached tensors fires inside torch's own
     # redistribute; on every rank and every example it would bury the report.
     warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+    # FSDP2's advice against in-place ops on a view its root returns: the loop makes none.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     # A failed shape propagation logs its traceback before raising; the raise is reported.
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)

@@ -21,6 +21,7 @@ class Profile:
     max_examples: int
     world_sizes: tuple[int, ...]
     shrink: bool = True  # False: stop at the first failing example (how fast is a fault found)
+    budget: float = 0.0  # seconds a gate run should take on a 2-core machine, pool start included
 
     @property
     def settings(self) -> settings:
@@ -33,9 +34,9 @@ class Profile:
 PROFILES = {
     p.name: p
     for p in (
-        Profile("smoke", max_examples=10, world_sizes=(2,)),
-        Profile("ci", max_examples=40, world_sizes=(2, 4)),
-        Profile("release", max_examples=200, world_sizes=(2, 4, 8)),
+        Profile("smoke", max_examples=10, world_sizes=(2,), budget=60),
+        Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300),
+        Profile("release", max_examples=200, world_sizes=(2, 4, 8), budget=1200),
     )
 }
 

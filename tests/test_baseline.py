@@ -1,0 +1,88 @@
+"""Known divergences: a run sorted by a baseline into known, new, changed and fixed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tpdp_verify import baseline
+from tpdp_verify.cases import TrainCase
+from tpdp_verify.errors import UsageError
+from tpdp_verify.fixtures.zoo import Size
+from tpdp_verify.gate import Finding, Outcome
+
+CASE = TrainCase(model="frozen", size=Size(dim=3), mesh_shape=(2, 1))
+
+
+def diverges(prop, kind, world_size=2, case=CASE):
+    return Outcome(prop, world_size, "diverges", 1.0, findings=[Finding(f"{kind}: departs\nmore", "", kind,
+                                                                        {"case": case})])
+
+
+def passes(prop, world_size=2):
+    return Outcome(prop, world_size, "pass", 1.0)
+
+
+def test_entries_round_trip_through_a_file_and_rebuild_the_case(tmp_path):
+    path = tmp_path / "b.json"
+    assert baseline.write(str(path), [diverges("p", "Kind"), passes("q")], "ci", "torch") == 1
+    header, known = baseline.load(str(path))
+    assert header["profile"] == "ci" and [k.key for k in known] == [("p", 2, "Kind")]
+    assert known[0].drawn() == {"case": CASE} and known[0].summary == "Kind: departs"
+
+
+def test_a_run_is_sorted_into_known_new_changed_fixed_and_not_run():
+    listed = baseline.entries([diverges("a", "K"), diverges("b", "K"), diverges("c", "K"), diverges("d", "K"),
+                               diverges("e", "K", world_size=8)])
+    run = [diverges("a", "K"), diverges("a", "Other"), passes("b"), passes("c"), passes("d")]
+    reran = []
+
+    def rerun(entry):
+        reran.append(entry.property)
+        return {"b": "K", "c": "Else", "d": ""}[entry.property]
+
+    j = baseline.judge(run, listed, rerun)
+    assert [k.key for k in j.new] == [("a", 2, "Other")]
+    assert [k.property for k in j.known] == ["a", "b"]  # b: found again by its recorded case
+    assert [(k.property, now) for k, now in j.changed] == [("c", "now raises Else")]
+    assert [k.property for k in j.fixed] == ["d"] and [k.property for k in j.not_run] == ["e"]
+    assert reran == ["b", "c", "d"] and j.blocks
+    text = baseline.report(j, {"torch": "2.13.0", "profile": "ci"}, "b.json")
+    assert "1 new, 1 changed, 1 fixed, 2 known: blocks" in text
+
+
+def test_nothing_new_passes():
+    j = baseline.judge([diverges("a", "K")], baseline.entries([diverges("a", "K")]), lambda e: pytest.fail())
+    assert not j.blocks and len(j.known) == 1
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, "no baseline"), ("{not json", "cannot read the baseline"),
+    ('{"schema": 9, "known": []}', "is not a tpdp-verify baseline"),
+    ('{"schema": 1, "known": [{"property": "p"}]}', "an entry lacks 'world_size'"),
+])
+def test_a_bad_baseline_is_one_line(tmp_path, text, expected):
+    path = tmp_path / "b.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UsageError, match=expected) as excinfo:
+        baseline.load(str(path))
+    assert "\n" not in str(excinfo.value)
+
+
+def test_the_shipped_baseline_loads_by_name_and_every_case_rebuilds():
+    header, known = baseline.load("torch-2.13.0")
+    assert header["torch"].startswith("2.13.0") and known
+    for entry in known:
+        assert entry.drawn(), entry
+
+
+@pytest.mark.timeout(600)
+def test_the_smoke_gate_passes_against_torch_with_the_shipped_baseline(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", "--baseline", "torch-2.13.0",
+                          "--json", str(tmp_path / "gate.json")], capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " 0 new, 0 changed, " in out.stdout
+    record = json.loads((tmp_path / "gate.json").read_text())
+    assert record["exit_code"] == 0 and record["counts"]["diverges"] > 0  # known, not absent
