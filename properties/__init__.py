@@ -3,6 +3,18 @@
 Each property is documented in docs/properties.md.
 """
 
+from tpdp_verify.properties.checkpoint import (
+    checkpoint_resumes,
+    entry_points_checkpoint_resume,
+    entry_points_state_dict_like_unsharded,
+    state_dict_like_unsharded,
+)
+from tpdp_verify.properties.fsdp_extension import (
+    all_gather_dtensor_full,
+    chunk_dtensor_layout,
+    chunk_tensor_metadata,
+    fsdp_flatten_roundtrip,
+)
 from tpdp_verify.properties.registry import (
     ignored_params_untouched,
     paths_resolve,
@@ -15,5 +27,9 @@ from tpdp_verify.properties.training import (
     trains_like_plain_ddp,
 )
 
+# The transform's structure, then training, then checkpoints, then FSDP1's extension.
 ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched,
-       trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device)
+       trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device,
+       state_dict_like_unsharded, entry_points_state_dict_like_unsharded,
+       checkpoint_resumes, entry_points_checkpoint_resume,
+       fsdp_flatten_roundtrip, chunk_dtensor_layout, all_gather_dtensor_full, chunk_tensor_metadata)

@@ -70,3 +70,52 @@ def shards_unevenly(case: TensorCase) -> bool:
         isinstance(p, Shard) and case.shape[p.dim] % n
         for p, n in zip(case.placements, case.mesh_shape)
     )
+
+
+# -- FSDP1's tensor-parallel extension ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FSDPCase:
+    """A parameter as FSDP1 on a device mesh sees it: the root mesh is (dp, tp) or HSDP's
+    (replicate, shard, tp); the parameter is a DTensor on the tp dim with ``tp_placement``,
+    or a plain tensor (a layer the TP plan left alone) when that is None."""
+
+    mesh_shape: tuple[int, ...]
+    tp_placement: Placement | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    seed: int
+
+    full = TensorCase.full  # the same seeded global tensor as a TensorCase's
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        return ("dp", "tp") if len(self.mesh_shape) == 2 else ("replicate", "shard", "tp")
+
+
+def factorizations(world_size: int, ndim: int) -> list[tuple[int, ...]]:
+    """Every ordered way to write ``world_size`` as ``ndim`` factors, 1s included."""
+    if ndim == 1:
+        return [(world_size,)]
+    return [(a, *rest) for a in range(1, world_size + 1) if world_size % a == 0
+            for rest in factorizations(world_size // a, ndim - 1)]
+
+
+@st.composite
+def fsdp_cases(draw, world_size: int, mesh_dims: tuple[int, ...] = (2, 3)) -> FSDPCase:
+    """FSDPCases on 2-D and/or 3-D meshes of ``world_size`` ranks, with dims that shard
+    evenly, unevenly and smaller than the mesh dim, and plain (non-TP) tensors too."""
+    ndim_mesh = draw(st.sampled_from(mesh_dims))
+    mesh_shape = draw(st.sampled_from(factorizations(world_size, ndim_mesh)))
+    ndim = draw(st.integers(1, 3))
+    largest = 2 * max(mesh_shape) + 1
+    shape = tuple(draw(st.lists(st.integers(1, largest), min_size=ndim, max_size=ndim)))
+    tp = st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard), st.none())
+    return FSDPCase(
+        mesh_shape=mesh_shape,
+        tp_placement=draw(tp),
+        shape=shape,
+        dtype=draw(st.sampled_from(DTYPES)),
+        seed=draw(st.integers(0, 2**16)),
+    )

@@ -86,3 +86,12 @@ def test_the_smoke_gate_passes_against_torch_with_the_shipped_baseline(tmp_path)
     assert " 0 new, 0 changed, " in out.stdout
     record = json.loads((tmp_path / "gate.json").read_text())
     assert record["exit_code"] == 0 and record["counts"]["diverges"] > 0  # known, not absent
+
+
+def test_known_divergences_md_lists_every_entry_of_the_shipped_baseline():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "known-divergences.md").read_text()
+    _, known = baseline.load("torch-2.13.0")
+    missing = [k.key for k in known if f"### `{k.property}` (world size {k.world_size}): `{k.kind}`" not in doc]
+    assert not missing, f"regenerate with python -m tpdp_verify.baseline: {missing}"

@@ -162,3 +162,24 @@ def report(j: Judgement, header: dict, name: str) -> str:
     out.append(f"against the baseline: {len(j.new)} new, {len(j.changed)} changed, {len(j.fixed)} fixed, "
                f"{len(j.known)} known" + (": blocks" if j.blocks else ": passes"))
     return "\n".join(out)
+
+
+def markdown(name: str, impl: str = "torch") -> str:
+    """Every entry of a baseline with a script that replays it: the generated half of
+    docs/known-divergences.md (``python -m tpdp_verify.baseline NAME``)."""
+    from tpdp_verify.properties import ALL
+
+    header, known = load(name)
+    by_name = {p.name: p for p in ALL}
+    out = [f"Recorded on torch {header['torch']} with the `{header['profile']}` profile: "
+           f"{len(known)} entries."]
+    for k in known:
+        out += ["", f"### `{k.property}` (world size {k.world_size}): `{k.kind}`", "", k.summary, "",
+                "```python", by_name[k.property].replay_code(k.world_size, impl, k.drawn()).rstrip(), "```"]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(markdown(sys.argv[1] if len(sys.argv) > 1 else "torch-2.13.0"), end="")

@@ -14,7 +14,7 @@ class Check(NamedTuple):
 
 
 def assert_checks(per_rank: list[list[Check]], minimum: int = 1) -> int:
-    """Raise AssertionError naming each failed check and its ranks; return the count.
+    """Raise a Divergence (an AssertionError) naming each failed check and its ranks; return the count.
 
     A run that compared fewer than ``minimum`` items fails too: a check that compared
     nothing cannot have found anything.
@@ -30,11 +30,15 @@ def assert_checks(per_rank: list[list[Check]], minimum: int = 1) -> int:
                 if rank not in ranks:
                     ranks.append(rank)
     if failed:
+        from tpdp_verify.verdict import divergence  # verdict builds on Check: imported late
+
         lines = [
             f"  {name} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): {detail}"
             for name, (ranks, detail) in failed.items()
         ]
-        raise AssertionError(
+        # Typed by the first failed check, so hypothesis shrinks distinct departures apart and
+        # a baseline tells them apart (tpdp_verify.baseline).
+        raise divergence(next(iter(failed)))(
             f"{len(failed)} of {compared // len(per_rank)} checks failed:\n" + "\n".join(lines)
         )
     return compared

@@ -46,6 +46,7 @@ class Outcome:
 
 
 REPLAY = "-- replay (save as a file and run it with python):"
+WIDTH = 38  # the longest property name: entry_points_state_dict_like_unsharded
 
 
 def _failure_text(exc: BaseException, reported: list[str]) -> str:
@@ -146,13 +147,13 @@ def run_gate(properties: tuple[Property, ...], profile: Profile, impl: str = "to
 
 
 def _line(o: Outcome) -> str:
-    return (f"{o.property:<34} world {o.world_size}  {o.status.upper():<8} "
+    return (f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} "
             f"{o.stats.examples:>4} examples ({o.stats.discarded} discarded)  {o.seconds:6.1f} s")
 
 
 def _short_line(o: Outcome) -> str:
     """``_line`` without the discarded count (the summary has it): progress lines stay short."""
-    return (f"{o.property:<34} world {o.world_size}  {o.status.upper():<8} "
+    return (f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} "
             f"{o.stats.examples:>4} examples  {o.seconds:6.1f} s")
 
 

@@ -60,6 +60,9 @@ def load(name: str = "torch") -> SimpleNamespace:
     if isinstance(source, type):
         source = source()
     missing = [f for f in FUNCTIONS if not callable(getattr(source, f, None))]
+    if missing and _variant_of("tpdp_verify.fsdp_extension", "FSDPExtension", source):
+        # A variant of the reference FSDP extension (a mutant) keeps the reference transform.
+        return _with(name, FUNCTIONS, source, _resolve("tpdp_verify.transform.Transform")())
     if missing:
         raise UsageError(
             f"implementation {name!r} lacks {', '.join(missing)}; it must define all of "
@@ -109,3 +112,60 @@ def installed(implementation: SimpleNamespace):
     finally:
         for module, attr, value in reversed(saved):
             setattr(module, attr, value)
+
+
+# -- FSDP1's tensor-parallel extension (DTensorExtensions) -----------------------------
+
+FSDP_FUNCTIONS = (
+    "pre_flatten_transform",
+    "post_unflatten_transform",
+    "chunk_tensor",
+    "chunk_dtensor",
+    "pre_load_state_dict_transform",
+    "all_gather_dtensor",
+)
+
+
+def load_fsdp(name: str = "torch") -> SimpleNamespace:
+    """The FSDP extension functions of implementation ``name``, as ``load`` does for the
+    transform: ``torch`` binds a ``DTensorExtensions`` as FSDP1 builds it on this rank's
+    device, ``reference`` binds tpdp_verify.fsdp_extension.FSDPExtension, any other name is
+    a dotted path to a module or object (a class is instantiated) defining FSDP_FUNCTIONS."""
+    if name == "torch":
+        import torch
+        from torch.distributed.fsdp._common_utils import _FSDPDeviceHandle
+        from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
+
+        from tpdp_verify.pool import device_type
+
+        ext = DTensorExtensions(_FSDPDeviceHandle.from_device(torch.device(device_type())))
+        return SimpleNamespace(name="torch", **{f: getattr(ext, f) for f in FSDP_FUNCTIONS})
+    try:
+        source = _resolve("tpdp_verify.fsdp_extension.FSDPExtension" if name == "reference" else name)
+    except ImportError as exc:
+        raise UsageError(
+            f"FSDP extension {name!r} does not import ({exc}); give torch, reference or an "
+            "importable dotted path"
+        ) from None
+    if isinstance(source, type):
+        source = source()
+    missing = [f for f in FSDP_FUNCTIONS if not callable(getattr(source, f, None))]
+    if missing and _variant_of("tpdp_verify.transform", "Transform", source):
+        # A variant of the reference transform (a mutant) keeps the reference FSDP extension.
+        return _with(name, FSDP_FUNCTIONS, source, _resolve("tpdp_verify.fsdp_extension.FSDPExtension")())
+    if missing:
+        raise UsageError(
+            f"FSDP extension {name!r} lacks {', '.join(missing)}; it must define all of "
+            f"{', '.join(FSDP_FUNCTIONS)} (see tpdp_verify/fsdp_extension.py)"
+        )
+    return SimpleNamespace(name=name, **{f: getattr(source, f) for f in FSDP_FUNCTIONS})
+
+
+def _variant_of(module: str, cls: str, source) -> bool:
+    return isinstance(source, getattr(importlib.import_module(module), cls))
+
+
+def _with(name: str, functions: tuple[str, ...], source, fallback) -> SimpleNamespace:
+    """``functions`` from ``source`` where it defines them, else from ``fallback``."""
+    return SimpleNamespace(name=name, **{f: getattr(source, f, None) if callable(getattr(source, f, None))
+                                         else getattr(fallback, f) for f in functions})

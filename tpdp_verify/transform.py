@@ -144,13 +144,24 @@ class Transform:
             if info is not None and prefix + name in state_dict:
                 state_dict[prefix + name] = self.unflatten_tensor(state_dict[prefix + name], info)
 
+    def load_local_shards(self, module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+        """The other half of that contract: a checkpoint of DTensors loads into the local
+        shards DDP registered, each entry cut to this rank's shard."""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            info = getattr(param, "_st_info", None)
+            value = state_dict.get(prefix + name)
+            if info is not None and isinstance(value, DTensor):
+                state_dict[prefix + name] = value.redistribute(info.mesh, info.placements).to_local()
+
     def pre_dp_module_transform(self, module: nn.Module) -> nn.Module:
-        """Localize now; rebuild DTensors before each forward and localize again after it."""
+        """Localize now; rebuild DTensors before each forward and localize again after it;
+        checkpoints hold DTensors, and load from them."""
         self.localize_dtensor(module)
         module.register_forward_pre_hook(self.reconstruct_dtensor)
         module.register_forward_hook(self.localize_dtensor)
-        # a partial, not the bound method: torch marks the hook with an attribute
+        # partials, not bound methods: torch marks hooks with an attribute
         module.register_state_dict_post_hook(functools.partial(type(self).state_dict_of_dtensors, self))
+        module.register_load_state_dict_pre_hook(functools.partial(type(self).load_local_shards, self))
         return module
 
 

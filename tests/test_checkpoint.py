@@ -1,0 +1,123 @@
+"""Checkpoints on real ranks: the reference checkpoints exactly on the sound space, torch
+2.13's departures are found and shrunk, and a mutant of the module transform is caught."""
+
+import dataclasses
+import time
+
+import pytest
+
+from tpdp_verify import profiles
+from tpdp_verify.cases import TrainCase
+from tpdp_verify.properties.checkpoint import (
+    checkpoint_cases,
+    checkpoint_resumes,
+    entry_points_checkpoint_resume,
+    entry_points_state_dict_like_unsharded,
+    state_dict_like_unsharded,
+)
+from tpdp_verify.suite import Stats
+from tpdp_verify.verdict import Divergence
+
+def quick(profile: profiles.Profile) -> profiles.Profile:
+    """At most the smoke profile's examples: a checkpoint example trains, saves, builds a
+    second model and steps both, and the machine's two cores are shared."""
+    smoke = profiles.get("smoke")
+    return smoke if profile.max_examples > smoke.max_examples else profile
+
+
+def narrowed(prop, **narrower):
+    return prop.drawing(case=lambda ws: checkpoint_cases(ws, **narrower))
+
+
+def _divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:
+    stats = Stats()
+    with pytest.raises(Exception) as info:
+        prop.run(pool, impl, profile, stats)
+    found = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else (info.value,)
+    assert all(isinstance(e, Divergence) for e in found), found
+    return list(found), stats
+
+
+def _departure(prop, pool, impl, **drawn) -> str:
+    with pytest.raises(Divergence) as info:
+        prop.fn(pool, impl, **drawn)
+    return str(info.value)
+
+
+# -- the reference ---------------------------------------------------------------------
+
+
+def test_reference_state_dict_is_the_unsharded_models(tpdp_pool, tpdp_profile):
+    stats = state_dict_like_unsharded.run(tpdp_pool, "reference", quick(tpdp_profile))
+    assert stats.passed >= quick(tpdp_profile).max_examples
+
+
+def test_reference_resumes_exactly(tpdp_pool, tpdp_profile):
+    """Its state_dict post-hook hands out DTensors and its load pre-hook cuts them back to
+    this rank's shards: every sound route round-trips bit for bit."""
+    stats = checkpoint_resumes.run(tpdp_pool, "reference", quick(tpdp_profile))
+    assert stats.passed >= quick(tpdp_profile).max_examples // 2
+
+
+# -- torch 2.13 ------------------------------------------------------------------------
+
+
+def test_torch_state_dict_holds_local_shards_then_loses_tp_parameters(tpdp_pool, tpdp_profile):
+    prop = narrowed(state_dict_like_unsharded, entries=("ddp_mesh",))
+    found, _ = _divergences(prop, tpdp_pool, "torch", quick(tpdp_profile))
+    text = "\n".join(map(str, found))
+    assert "state_dict holds global shapes: before training" in text, text
+    assert "state_dict has the unsharded model's keys: after training: missing" in text, text
+    assert "the departure is TP+DP's" in text, text
+
+
+def test_torch_checkpoints_through_ddp_do_not_load(tpdp_pool, tpdp_profile):
+    prop = narrowed(checkpoint_resumes, entries=("ddp_mesh", "transform_ddp"))
+    found, _ = _divergences(prop, tpdp_pool, "torch", quick(tpdp_profile))
+    text = "\n".join(map(str, found))
+    assert "Missing key(s) in state_dict" in text or "model state_dict is empty" in text, text
+
+
+def test_torch_fully_shard_resumes_exactly(tpdp_pool, tpdp_profile):
+    """Narrowed for time to the MLP (the explicit examples are every drawn model's simplest)."""
+    prop = narrowed(checkpoint_resumes, entries=("fully_shard",), models=("mlp",))
+    stats = prop.run(tpdp_pool, "torch", quick(tpdp_profile))
+    assert stats.passed >= quick(tpdp_profile).max_examples
+
+
+# -- whatever the transform ------------------------------------------------------------
+
+
+def test_dcp_gives_every_tp_rank_one_ranks_ddp_optimizer_state(tpdp_pool):
+    text = _departure(entry_points_checkpoint_resume, tpdp_pool, "reference",
+                      case=TrainCase(model="mlp", mesh_shape=(1, 2), optimizer="adam"), route="dcp")
+    assert "the loaded optimizer holds the saved state: w1.weight: exp_avg:" in text, text
+    assert "the departure is TP+DP's" in text, text
+
+
+def test_replicate_state_dict_holds_local_shards_whatever_the_transform(tpdp_pool):
+    text = _departure(entry_points_state_dict_like_unsharded, tpdp_pool, "reference",
+                      case=TrainCase(model="mlp", mesh_shape=(1, 2), entry="replicate"))
+    assert "state_dict holds global shapes: after training: w1.weight is a Tensor of shape [6, 8]" in text, text
+    assert "the departure is TP+DP's" in text, text
+
+
+def test_fsdp1_get_optimizer_state_dict_loses_the_tp_dimension(tpdp_pools):
+    text = _departure(entry_points_checkpoint_resume, tpdp_pools.get(4), "reference",
+                      case=TrainCase(model="mlp", mesh_shape=(2, 2), entry="fsdp1", optimizer="adam"),
+                      route="get_set")
+    assert "the loaded optimizer holds the saved state: rank 1's flat shard: w1.weight: exp_avg:" in text, text
+    assert "the departure is TP+DP's" in text, text
+
+
+# -- power -----------------------------------------------------------------------------
+
+
+def test_a_mutant_replacing_by_delattr_is_caught(tpdp_pool, tpdp_profile):
+    """Found (not shrunk) within a minute, by the check it breaks: delattr then setattr of
+    the DTensor rebuilt for a forward puts it outside the registry, as torch does."""
+    start = time.monotonic()
+    found, _ = _divergences(state_dict_like_unsharded, tpdp_pool, "mutants.ReplacesByDelattr",
+                            dataclasses.replace(quick(tpdp_profile), shrink=False))
+    assert any("state_dict has the unsharded model's keys: after training: missing" in str(e) for e in found), found
+    assert time.monotonic() - start < 60
