@@ -27,6 +27,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_pool.py
 	$(BIN)/python bench/bench_training.py
 	$(BIN)/python bench/bench_tolerance.py
+	$(BIN)/python bench/bench_mutation.py
+	$(BIN)/python bench/bench_endurance.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -57,7 +57,16 @@ def trainable(case: TrainCase) -> bool:
     """Cases whose training itself works, so that there is something to checkpoint: FSDP1
     trains with TP only with dp > 1, one microbatch a step, and some zoo models
     (tests/test_training.py); the rest are training's findings, not checkpoints'."""
-    return case.entry != "fsdp1" or (case.dp > 1 and case.accumulate == 1 and case.model in FSDP1_MODELS)
+    return case.entry != "fsdp1" or (case.dp > 1 and case.accumulate == 1 and case.model in FSDP1_MODELS
+                                     and _even(case))
+
+
+def _even(case: TrainCase) -> bool:
+    """Every width TP may shard divides by tp. FSDP1's state dict of an unevenly sharded
+    TP model crashes a rank (SIGABRT in gloo: `uneven` dim 3, hidden 3 on (2, 2) by
+    get_set), which gives no verdict to shrink; chunk_tensor_metadata finds the cause
+    (uneven pieces overlap) with a verdict (docs/properties.md)."""
+    return all(n % case.tp == 0 for n in (case.size.dim, case.size.hidden, case.size.vocab))
 
 
 def checkpoint_cases(world_size: int, entries: tuple[str, ...] = SOUND["entries"], **narrower

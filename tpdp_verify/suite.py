@@ -86,6 +86,11 @@ class Property:
             test(pool, impl)
         except _PoolBroke as broke:
             raise broke.args[0] from None
+        except BaseExceptionGroup as group:  # distinct failures, one of them a hang or crash
+            broke = next((e for e in group.exceptions if isinstance(e, _PoolBroke)), None)
+            if broke is not None:
+                raise broke.args[0] from None
+            raise
         if stats.passed == 0:
             raise AssertionError(
                 f"property {self.name} ran no passing example ({stats}); its strategy "
