@@ -48,9 +48,10 @@ class Known:
 
     def drawn(self) -> dict:
         """The recorded case, rebuilt from its repr (as the replay script does)."""
+        import torch
         from torch.distributed.tensor import Partial, Replicate, Shard
 
-        names = {"Replicate": Replicate, "Shard": Shard, "Partial": Partial}
+        names = {"torch": torch, "Replicate": Replicate, "Shard": Shard, "Partial": Partial}
         for path in self.types:
             module, _, qualname = path.partition(":")
             names[qualname.split(".")[0]] = getattr(importlib.import_module(module), qualname.split(".")[0])
