@@ -27,7 +27,8 @@ def test_wheel_holds_one_namespace_and_both_entry_points(tmp_path):
     (wheel,) = tmp_path.glob("tpdp_verify-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ["tpdp_verify/pool.py", "tpdp_verify/oracles/__init__.py",
-                     "tpdp_verify/properties/roundtrip.py", "tpdp_verify/fixtures/__init__.py"]:
+                     "tpdp_verify/properties/roundtrip.py", "tpdp_verify/fixtures/__init__.py",
+                     "tpdp_verify/baselines/torch-2.13.0.json"]:
         assert expected in names
     assert not any(n.split("/")[0] in ("oracles", "properties", "fixtures", "tests") for n in names)
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
