@@ -1,6 +1,7 @@
 """Known divergences: a run sorted by a baseline into known, new, changed and fixed."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -95,3 +96,18 @@ def test_known_divergences_md_lists_every_entry_of_the_shipped_baseline():
     _, known = baseline.load("torch-2.13.0")
     missing = [k.key for k in known if f"### `{k.property}` (world size {k.world_size}): `{k.kind}`" not in doc]
     assert not missing, f"regenerate with python -m tpdp_verify.baseline: {missing}"
+
+
+@pytest.mark.timeout(600)
+def test_a_broken_transform_blocks_against_the_shipped_baseline():
+    """The reference with every sharded gradient scaled by 1 + 1e-3: its departures are not
+    torch's known ones, so the gate blocks with them listed as new."""
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    out = subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", "--impl", "mutants.ScalesGradientUp",
+                          "--baseline", "torch-2.13.0"], capture_output=True, text=True, timeout=580, env=env)
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
+    assert re.search(r"  NEW +trains_like_one_device +world 2  GradientBeyondItsBound", out.stdout), out.stdout[-4000:]
+    assert re.search(r"against the baseline: [1-9]\d* new, .*: blocks", out.stdout)
