@@ -14,6 +14,7 @@ hides.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -290,16 +291,29 @@ class _Draft:
                     tuple((n, c.freeze()) for n, c in self.children))
 
 
-def _placements(ndim: int, mesh_ndim: int) -> st.SearchStrategy:
+# The strategies a tree draws from are built once: hypothesis validates a strategy object
+# the first time it is drawn from, and a tree draws from a hundred (half the drawing time).
+@functools.cache
+def _layouts(ndim: int, mesh_ndim: int) -> st.SearchStrategy:
     one = st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard))
-    return st.lists(one, min_size=mesh_ndim, max_size=mesh_ndim).map(tuple)
+    return st.one_of(st.none(), st.lists(one, min_size=mesh_ndim, max_size=mesh_ndim).map(tuple))
+
+
+@functools.cache
+def _shapes(ndim: int, largest: int) -> st.SearchStrategy:
+    return st.lists(st.integers(1, largest), min_size=ndim, max_size=ndim).map(tuple)
+
+
+@functools.cache
+def _names(pool: tuple[str, ...], n: int) -> st.SearchStrategy:
+    return st.lists(st.sampled_from(pool), min_size=n, max_size=n, unique=True)
 
 
 def _param_spec(draw, name: str, mesh_shape: tuple[int, ...]) -> ParamSpec:
     # up to 2*max(mesh)+1 per dim: shards come out even, uneven, and smaller than the mesh
     ndim = draw(st.integers(1, 2))
-    shape = tuple(draw(st.lists(st.integers(1, 2 * max(mesh_shape) + 1), min_size=ndim, max_size=ndim)))
-    placements = draw(st.one_of(st.none(), _placements(ndim, len(mesh_shape))))
+    shape = draw(_shapes(ndim, 2 * max(mesh_shape) + 1))
+    placements = draw(_layouts(ndim, len(mesh_shape)))
     return ParamSpec(name, shape, placements, draw(st.sampled_from((True, False))))
 
 
@@ -318,14 +332,12 @@ def _draw_node(draw, kind: str, levels: int, spine: bool, parent_kind: str | Non
         n_params = draw(st.integers(0, min(3, budget["params"])))
         budget["params"] -= n_params
         n_buffers = draw(st.integers(0, 2))
-        names = draw(st.lists(st.sampled_from(NAMES), min_size=n_params + n_buffers + n_children,
-                              max_size=n_params + n_buffers + n_children, unique=True))
+        names = draw(_names(NAMES, n_params + n_buffers + n_children))
         node.params = [_param_spec(draw, n, mesh_shape) for n in names[:n_params]]
         node.buffers = tuple(names[n_params:n_params + n_buffers])
         child_names = names[n_params + n_buffers:]
     elif kind == "moduledict":
-        child_names = draw(st.lists(st.sampled_from(DICT_KEYS), min_size=n_children,
-                                    max_size=n_children, unique=True))
+        child_names = draw(_names(DICT_KEYS, n_children))
     else:
         child_names = [str(i) for i in range(n_children)]
 

@@ -8,6 +8,7 @@ what training should have produced.
 
 from __future__ import annotations
 
+import functools
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
@@ -80,23 +81,38 @@ def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)
     )
 
 
+# A case draws from strategies built once per argument: hypothesis validates each new
+# strategy object on its first draw, which made up a third of drawing a case.
+@functools.cache
+def _one_of(values: tuple) -> st.SearchStrategy:
+    return st.sampled_from(values)
+
+
+@functools.cache
+def _sizes(model: str, tp: int, empty_shards: bool) -> st.SearchStrategy:
+    return ZOO[model].sizes(tp).filter(lambda s: empty_shards or _no_empty_shard(s, tp))
+
+
+_ddp_options = functools.cache(ddp_options)
+
+
 @st.composite
 def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
                 built: tuple[str, ...] = BUILT, static_graph: tuple[bool, ...] = (False, True),
                 models: tuple[str, ...] = tuple(ZOO), mesh_shapes: tuple[tuple[int, int], ...] | None = None
                 ) -> TrainCase:
     """Training cases on ``world_size`` ranks; the keywords narrow the space (tests, bench)."""
-    mesh = draw(st.sampled_from(mesh_shapes or meshes(world_size)))
-    model = draw(st.sampled_from(models))
-    entry = draw(st.sampled_from([e for e in entries if _timings(e, built)]))
+    mesh = draw(_one_of(tuple(mesh_shapes or meshes(world_size))))
+    model = draw(_one_of(tuple(models)))
+    entry = draw(_one_of(tuple(e for e in entries if _timings(e, built))))
     return TrainCase(
         model=model,
-        size=draw(ZOO[model].sizes(mesh[1]).filter(lambda s: entry in DDP_ENTRIES or _no_empty_shard(s, mesh[1]))),
+        size=draw(_sizes(model, mesh[1], entry in DDP_ENTRIES)),
         mesh_shape=mesh,
         entry=entry,
-        ddp=draw(ddp_options(model, static_graph)) if entry in DDP_ENTRIES else DDPOptions(),
-        optimizer=draw(st.sampled_from(OPTIMIZERS)),
-        built=draw(st.sampled_from(_timings(entry, built))),
+        ddp=draw(_ddp_options(model, tuple(static_graph))) if entry in DDP_ENTRIES else DDPOptions(),
+        optimizer=draw(_one_of(OPTIMIZERS)),
+        built=draw(_one_of(tuple(_timings(entry, built)))),
         eval_first=draw(st.booleans()),
         steps=draw(st.integers(1, 3)),
         accumulate=draw(st.integers(1, 2)),
@@ -145,11 +161,19 @@ _FIND = settings(database=None, derandomize=True, max_examples=500, phases=[Phas
                  suppress_health_check=list(HealthCheck))
 
 
+_simplest_cases: dict[tuple[str, str], TrainCase | None] = {}
+
+
 def _simplest(strategy: st.SearchStrategy[TrainCase], model: str) -> TrainCase | None:
-    try:
-        return find(strategy, lambda c: c.model == model, settings=_FIND)
-    except NoSuchExample:
-        return None
+    """Cached by the strategy's repr, which writes out the composite's arguments and its
+    filters: properties that draw from one space share the search (a second a model)."""
+    key = (repr(strategy), model)
+    if key not in _simplest_cases:
+        try:
+            _simplest_cases[key] = find(strategy, lambda c: c.model == model, settings=_FIND)
+        except NoSuchExample:
+            _simplest_cases[key] = None
+    return _simplest_cases[key]
 
 
 def every_model(strategies: dict) -> list[dict]:
