@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpdp_verify.pool import device_mesh, device_type
+from tpdp_verify.pool import caught, device_mesh, device_type
 
 
 def rank_and_sum(tag):
@@ -36,6 +36,30 @@ def raise_while_others_reduce(rank):
     if dist.get_rank() == rank:
         raise ValueError(f"rank {rank} leaves the collective")
     dist.all_reduce(torch.ones(1))
+
+
+def catch_while_others_reduce(rank):
+    """``rank`` catches an exception and returns it, as the training loop does with a
+    finding, while the others enter an all_reduce it never joins."""
+    if dist.get_rank() == rank:
+        caught(f"rank {rank} caught it")
+        return "the error, in the result"
+    dist.all_reduce(torch.ones(1))
+    return "reduced"
+
+
+_HOARD = []
+
+
+def hoard(megabytes):
+    """Keep ``megabytes`` of written memory alive in this rank: its RSS grows by as much."""
+    _HOARD.append(torch.ones(megabytes << 18))
+    return len(_HOARD)
+
+
+def everyone_catches():
+    caught(f"rank {dist.get_rank()} caught it")
+    return dist.get_rank()
 
 
 def lone_collective(rank):

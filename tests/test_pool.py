@@ -9,7 +9,7 @@ import torch
 from helpers import alive, wait_gone
 
 from tpdp_verify.errors import RankDied, RankFailed, RankTimeout, UsageError
-from tpdp_verify.pool import RankPool
+from tpdp_verify.pool import BASELINE_CALL, RankPool
 
 TIMEOUT = 4.0
 
@@ -62,6 +62,25 @@ def test_exception_while_others_wait_in_a_collective_restarts_the_pool(pool):
     assert wait_gone(old) == []
     assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
     assert pool.spawns == spawns + 1
+
+
+def test_a_rank_that_catches_while_others_wait_restarts_the_pool_before_the_timeout(pool):
+    spawns, old = pool.spawns, pool.pids
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        pool.run(rank_fns.catch_while_others_reduce, 2)
+    assert time.monotonic() - start < TIMEOUT  # the error grace (1 s), not the timeout
+    assert info.value.stuck == [0, 1, 3]
+    assert "raised on rank 2 of 4" in str(info.value) and "(caught and returned) rank 2 caught it" in str(info.value)
+    assert wait_gone(old) == []
+    assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
+    assert pool.spawns == spawns + 1
+
+
+def test_ranks_that_all_catch_return_their_results(pool):
+    spawns = pool.spawns
+    assert pool.run(rank_fns.everyone_catches) == [0, 1, 2, 3]
+    assert pool.spawns == spawns
 
 
 @pytest.mark.timeout(60)
@@ -154,11 +173,26 @@ def test_close_leaves_no_process_and_is_idempotent():
     "kwargs, message",
     [({"world_size": 0}, "world_size must be a positive integer"),
      ({"world_size": 2, "backend": "mpi"}, "backend must be auto, gloo or nccl"),
-     ({"world_size": 2, "timeout": 0}, "timeout and start_timeout must be positive")],
+     ({"world_size": 2, "timeout": 0}, "timeout and start_timeout must be positive"),
+     ({"world_size": 2, "max_rss_growth": 0}, "max_rss_growth must be a positive fraction")],
 )
 def test_bad_arguments_are_usage_errors(kwargs, message):
     with pytest.raises(UsageError, match=message):
         RankPool(**kwargs)
+
+
+def test_a_rank_that_outgrows_its_baseline_is_replaced_before_the_next_call():
+    with RankPool(2, "gloo", timeout=TIMEOUT, max_rss_growth=0.1) as pool:
+        first = pool.pids
+        for call in range(BASELINE_CALL + 5):  # the baseline is taken at call 20; no growth
+            pool.run(rank_fns.rank_and_sum, call)
+        assert pool.spawns == 1 and pool.pids == first
+        pool.run(rank_fns.hoard, 200)  # 200 MB kept alive: far past 10% of a rank
+        assert pool.pids == first  # the ranks that answered stay up until the next call
+        results = pool.run(rank_fns.rank_and_sum, "fresh")  # a collective: the new group works
+        assert [(r[0], r[1], r[2].item()) for r in results] == [(0, "fresh", 1.0), (1, "fresh", 1.0)]
+        assert pool.spawns == 2 and set(pool.pids).isdisjoint(first)
+        assert not wait_gone(first)
 
 
 @pytest.mark.skipif(

@@ -19,7 +19,7 @@ from hypothesis.reporting import with_reporter
 
 from tpdp_verify import impl as impl_mod
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
-from tpdp_verify.pool import RankPool
+from tpdp_verify.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.profiles import Profile
 from tpdp_verify.suite import Property, Stats
 
@@ -129,7 +129,7 @@ def iter_gate(
         if not todo:
             continue
         up = time.monotonic()
-        with RankPool(world_size, backend, timeout=timeout) as pool:
+        with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
                 outcome = check_property(prop, pool, impl, profile, progress, every)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tpdp_verify import profiles
-from tpdp_verify.pool import RankPool
+from tpdp_verify.pool import MAX_RSS_GROWTH, RankPool
 
 OPTIONS = {
     "world_size": ("2", "ranks of the default pool (the tpdp marker may ask for others)"),
@@ -51,7 +51,8 @@ class Pools:
 
     def get(self, world_size: int) -> RankPool:
         if world_size not in self._pools:
-            self._pools[world_size] = RankPool(world_size, self.backend, timeout=self.timeout)
+            self._pools[world_size] = RankPool(world_size, self.backend, timeout=self.timeout,
+                                              max_rss_growth=MAX_RSS_GROWTH)
         return self._pools[world_size]
 
     def close(self) -> None:

@@ -37,12 +37,20 @@ from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout, Usa
 
 _STOP = b"stop"
 
+# What the gate and the pytest plugin pass as max_rss_growth: a rank seeing new shapes
+# grows steadily (torch's shape-keyed caches), about 60 KB a training case; recycling it
+# once it has grown 8% keeps it under 10% (bench/bench_endurance.py, docs/performance.md)
+# and costs a fresh generation, about 3 s, every few hundred such cases.
+MAX_RSS_GROWTH = 0.08
+BASELINE_CALL = 20  # a generation's size is taken after this call: imports and meshes are in
+
 # ---------------------------------------------------------------------------
 # Inside a rank: state and helpers that functions sent by ``run`` may use.
 # ---------------------------------------------------------------------------
 
 _MESHES: dict = {}
 _DEVICE_TYPE = "cpu"
+_CAUGHT = ""  # what the current call caught and returns in its result (see caught)
 
 
 def device_type() -> str:
@@ -69,6 +77,15 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
             )
         mesh = _MESHES[key] = init_device_mesh(_DEVICE_TYPE, key[0], mesh_dim_names=key[1])
     return mesh
+
+
+def caught(what: str) -> None:
+    """Say, inside a rank, that this call caught an exception (``what``) and returns it in
+    its result, as a finding. Should other ranks then not answer, they are presumably
+    waiting in a collective for this one: the pool gives them the error grace and restarts
+    them, as when a rank raises, instead of waiting for the timeout (RankFailed, not a hang)."""
+    global _CAUGHT
+    _CAUGHT = what
 
 
 def _choose_backend(backend: str, world_size: int) -> str:
@@ -108,11 +125,24 @@ def _portable(result: Any) -> Any:
     return tree_map_only(torch.Tensor, plain, result)
 
 
+def _rss() -> int:
+    """This process's resident memory in bytes; 0 where /proc cannot say."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _reply(call: bytes) -> bytes:
-    """Run one pickled (fn, args) and pickle what happened: ok/result or error."""
+    """Run one pickled (fn, args) and pickle what happened: ok, the result, what it caught
+    and the rank's resident memory after it; or error."""
+    global _CAUGHT
+    _CAUGHT = ""
     try:
         fn, args = pickle.loads(call)
-        return pickle.dumps(("ok", _portable(fn(*args))))
+        result = _portable(fn(*args))
+        return pickle.dumps(("ok", result, _CAUGHT, _rss()))
     except Exception as exc:  # report every failure; BaseException still ends the rank
         try:
             exc_bytes = pickle.dumps(exc)
@@ -160,7 +190,7 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s) -> No
     except Exception:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None)))
         return
-    conn.send_bytes(pickle.dumps(("ok", "ready")))
+    conn.send_bytes(pickle.dumps(("ok", "ready", "", _rss())))
     while True:
         try:
             call = conn.recv_bytes()
@@ -245,6 +275,9 @@ class _Ranks:
         lifeline_r.close()
         self.lifeline = lifeline_w
         self.busy = False
+        self.calls = 0  # calls this generation has answered
+        self.baseline: dict[int, int] = {}  # rank -> resident bytes after call BASELINE_CALL
+        self.outgrown = False  # a rank has grown past the pool's max_rss_growth
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, lifeline_w, True)
 
     @property
@@ -292,10 +325,18 @@ class _Ranks:
                         rank, code,
                     ) from None
                 del pending[rank]
-            if not graced and pending and any(r[0] == "error" for r in replies.values()):
+            if not graced and pending and any(r[0] == "error" or (r[0] == "ok" and r[2]) for r in replies.values()):
                 graced = True
                 deadline = min(deadline, time.monotonic() + grace)
         return replies
+
+    def note(self, replies: dict[int, tuple], growth: float) -> None:
+        """Count an answered call and watch the ranks' memory against their baseline."""
+        self.calls += 1
+        rss = {r: reply[3] for r, reply in replies.items() if reply[0] == "ok"}
+        if self.calls == BASELINE_CALL:
+            self.baseline = rss
+        self.outgrown = any(rss.get(r, 0) > size * (1 + growth) for r, size in self.baseline.items() if size)
 
     def call(self, payload: bytes, what: str, timeout: float, grace: float) -> dict[int, tuple]:
         self.busy = True
@@ -321,6 +362,12 @@ class RankPool:
         start_timeout: seconds the ranks may take to start and join the group.
         error_grace: after a rank raises, seconds the others get to finish before they
             are presumed stuck in a collective with it and the pool is restarted.
+        max_rss_growth: once a rank's resident memory exceeds its size after its
+            generation's 20th call by this fraction, the pool stops the generation and
+            the next call spawns a fresh one (``None``: never). Torch caches sharding
+            decisions and fake-tensor dispatches per tensor shape, without bound, so a
+            rank that sees thousands of new shapes grows steadily (docs/performance.md).
+            Spawned pools on Linux only: under torchrun the launcher owns the ranks.
     """
 
     def __init__(
@@ -331,6 +378,7 @@ class RankPool:
         timeout: float = 120.0,
         start_timeout: float = 180.0,
         error_grace: float = 10.0,
+        max_rss_growth: float | None = None,
     ):
         self.attached = _under_launcher()
         if self.attached:
@@ -345,9 +393,12 @@ class RankPool:
             raise UsageError(f"world_size must be a positive integer, not {world_size!r}")
         if timeout <= 0 or start_timeout <= 0 or error_grace < 0:
             raise UsageError("timeout and start_timeout must be positive, error_grace non-negative")
+        if max_rss_growth is not None and not (isinstance(max_rss_growth, (int, float)) and max_rss_growth > 0):
+            raise UsageError(f"max_rss_growth must be a positive fraction (0.08: 8%) or None, not {max_rss_growth!r}")
         self.world_size = world_size
         self.backend = _choose_backend(backend, world_size)
         self.timeout, self.start_timeout, self.error_grace = timeout, start_timeout, error_grace
+        self.max_rss_growth = max_rss_growth
         self.spawns = 0  # how many generations of ranks this pool has started
         self._ranks: _Ranks | None = None
         if self.attached:
@@ -439,6 +490,8 @@ class RankPool:
         if self.attached:
             replies = self._gather_attached(payload)
         else:
+            if self._ranks is not None and self._ranks.outgrown:
+                self._retire(graceful=True)  # before the call, so the ranks that answered stay up
             if self._ranks is None:
                 self._start()
             try:
@@ -448,6 +501,8 @@ class RankPool:
                 raise
             if self._ranks.busy:
                 self._retire(graceful=False)
+            elif self.max_rss_growth:
+                self._ranks.note(replies, self.max_rss_growth)
         return self._results(what, replies)
 
     def _gather_attached(self, payload: bytes) -> dict[int, tuple]:
@@ -459,9 +514,12 @@ class RankPool:
 
     def _results(self, what: str, replies: dict[int, tuple]) -> list:
         errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
-        if not errors:
-            return [replies[r][1] for r in range(self.world_size)]
         stuck = sorted(r for r, reply in replies.items() if reply[0] == "stuck")
+        if not errors and not stuck:
+            return [replies[r][1] for r in range(self.world_size)]
+        if not errors:  # ranks that caught an exception left the others in a collective
+            errors = {r: ("error", f"(caught and returned) {reply[2]}", None)
+                      for r, reply in replies.items() if reply[0] == "ok" and reply[2]}
         exceptions = {}
         for rank, (_, _, exc_bytes) in errors.items():
             try:
