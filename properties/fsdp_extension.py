@@ -16,10 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 from tpdp_verify.compare import Check, assert_checks
-from tpdp_verify.properties.roundtrip import _all_ranks, _gradient_checks
+from tpdp_verify.properties.roundtrip import all_ranks, distributed_param, gathered_checks, layout_checks
 from tpdp_verify.properties.strategies import FSDPCase, TensorCase, fsdp_cases, tensor_cases
 from tpdp_verify.suite import tpdp_property
 
@@ -40,17 +39,14 @@ def _raised(name: str, call) -> tuple[object, list[Check]]:
 def observe_flatten(case: TensorCase, impl_name: str) -> list[Check]:
     """On every rank: a DTensor parameter through pre_flatten and post_unflatten."""
     from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from tpdp_verify.impl import load_fsdp
     from tpdp_verify.pool import device_mesh
 
     ext = load_fsdp(impl_name)
     mesh = device_mesh(case.mesh_shape)
-    full = case.full()
-    param = nn.Parameter(distribute_tensor(full, mesh, case.placements), requires_grad=case.requires_grad)
-    with torch.no_grad():
-        shard = param.to_local()
+    full, param, shard = distributed_param(case, mesh)
     shard_requires_grad = shard.requires_grad
 
     local, info = ext.pre_flatten_transform(param)
@@ -72,15 +68,7 @@ def observe_flatten(case: TensorCase, impl_name: str) -> list[Check]:
     ]
     layout = []
     if isinstance(back, DTensor):
-        layout = [
-            Check("post_unflatten mesh", back.device_mesh == mesh, f"{back.device_mesh} != {mesh}"),
-            Check("post_unflatten placements", tuple(back.placements) == case.placements,
-                  f"{tuple(back.placements)} != {case.placements}"),
-            Check("post_unflatten global shape", tuple(back.shape) == case.shape,
-                  f"{tuple(back.shape)} != {case.shape}"),
-            Check("post_unflatten stride", back.stride() == param.stride(), f"{back.stride()} != {param.stride()}"),
-            Check("post_unflatten dtype", back.dtype == case.dtype, f"{back.dtype} != {case.dtype}"),
-        ]
+        layout = layout_checks(case, mesh, param, back, "post_unflatten ")
         checks += layout + [
             Check("post_unflatten requires_grad", back.requires_grad == case.requires_grad,
                   f"post_unflatten(pre_flatten(t)).requires_grad={back.requires_grad}, "
@@ -89,10 +77,7 @@ def observe_flatten(case: TensorCase, impl_name: str) -> list[Check]:
             Check("post_unflatten marks the result FSDP-flattened", _is_fsdp_flattened(back),
                   "nested FSDP would flatten the rebuilt DTensor again"),
         ]
-    if _all_ranks(bool(layout) and all(c.ok for c in layout)):
-        checks.append(Check("post_unflatten full tensor", torch.equal(back.full_tensor().detach(), full),
-                            "gathered tensor differs from t"))
-        checks += _gradient_checks(case, back, local)
+    checks += gathered_checks(case, full, back, local, layout, "post_unflatten ")
     plain = full.clone()
     out, plain_info = ext.pre_flatten_transform(plain)
     checks.append(Check("pre_flatten of a plain tensor is the identity", out is plain and plain_info is None,
@@ -220,7 +205,7 @@ def observe_chunk_dtensor(case: FSDPCase, impl_name: str) -> list[Check]:
                   "the state dict's value shares storage with the parameter"),
             *_block_checks("chunk_dtensor", local, full, root, want),
         ]
-    if _all_ranks(bool(layout) and all(c.ok for c in layout)):
+    if all_ranks(bool(layout) and all(c.ok for c in layout)):
         checks.append(Check("chunk_dtensor full tensor", torch.equal(out.full_tensor(), full),
                             "gathered tensor differs from the parameter"))
     return checks
@@ -250,7 +235,7 @@ def observe_all_gather(case: FSDPCase, impl_name: str) -> list[Check]:
     if not checks[0].ok:
         return checks
     checks += _block_checks("all_gather_dtensor", out, full, tp_mesh, [tp] if tp else [])
-    if _all_ranks(all(c.ok for c in checks)):
+    if all_ranks(all(c.ok for c in checks)):
         gathered = full if tp is None else DTensor.from_local(
             out, tp_mesh, [tp], run_check=False, shape=full.shape, stride=full.stride()).full_tensor()
         checks.append(Check("all_gather_dtensor gives the full tensor", torch.equal(gathered, full),

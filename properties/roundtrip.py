@@ -16,19 +16,49 @@ from tpdp_verify.properties.strategies import TensorCase, tensor_cases
 from tpdp_verify.suite import tpdp_property
 
 
+def distributed_param(case: TensorCase, mesh) -> tuple[torch.Tensor, nn.Parameter, torch.Tensor]:
+    """(the full tensor, t: it as a DTensor parameter laid out as the case says, t's shard)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = case.full()
+    param = nn.Parameter(distribute_tensor(full, mesh, case.placements), requires_grad=case.requires_grad)
+    with torch.no_grad():
+        shard = param.to_local()
+    return full, param, shard
+
+
+def layout_checks(case: TensorCase, mesh, param, back, prefix: str = "") -> list[Check]:
+    """The rebuilt DTensor ``back`` has t's layout; ``prefix`` names the function checked."""
+    return [
+        Check(f"{prefix}mesh", back.device_mesh == mesh, f"{back.device_mesh} != {mesh}"),
+        Check(f"{prefix}placements", tuple(back.placements) == case.placements,
+              f"{tuple(back.placements)} != {case.placements}"),
+        Check(f"{prefix}global shape", tuple(back.shape) == case.shape, f"{tuple(back.shape)} != {case.shape}"),
+        Check(f"{prefix}stride", back.stride() == param.stride(), f"{back.stride()} != {param.stride()}"),
+        Check(f"{prefix}dtype", back.dtype == case.dtype, f"{back.dtype} != {case.dtype}"),
+    ]
+
+
+def gathered_checks(case: TensorCase, full, back, local, layout: list[Check], prefix: str = "") -> list[Check]:
+    """``back`` gathers to t, and a gradient of it reaches ``local``. Gathering a DTensor
+    whose layout is wrong can abort gloo: only when every rank agrees the layout is right
+    (otherwise the failed layout checks are the verdict)."""
+    if not all_ranks(bool(layout) and all(c.ok for c in layout)):
+        return []
+    return [Check(f"{prefix}full tensor", torch.equal(back.full_tensor().detach(), full),
+                  "gathered tensor differs from t"), *_gradient_checks(case, back, local)]
+
+
 def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
     """On every rank: round-trip a DTensor parameter through the implementation."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from tpdp_verify.impl import load
     from tpdp_verify.pool import device_mesh
 
     impl = load(impl_name)
     mesh = device_mesh(case.mesh_shape)
-    full = case.full()
-    param = nn.Parameter(distribute_tensor(full, mesh, case.placements), requires_grad=case.requires_grad)
-    with torch.no_grad():
-        shard = param.to_local()
+    full, param, shard = distributed_param(case, mesh)
     shard_requires_grad = shard.requires_grad
 
     local, info = impl.flatten_tensor(param)
@@ -48,25 +78,13 @@ def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
     ]
     layout = []
     if isinstance(back, DTensor):
-        layout = [
-            Check("mesh", back.device_mesh == mesh, f"{back.device_mesh} != {mesh}"),
-            Check("placements", tuple(back.placements) == case.placements,
-                  f"{tuple(back.placements)} != {case.placements}"),
-            Check("global shape", tuple(back.shape) == case.shape, f"{tuple(back.shape)} != {case.shape}"),
-            Check("stride", back.stride() == param.stride(), f"{back.stride()} != {param.stride()}"),
-            Check("dtype", back.dtype == case.dtype, f"{back.dtype} != {case.dtype}"),
-        ]
+        layout = layout_checks(case, mesh, param, back)
         checks += layout + [
             Check("requires_grad", back.requires_grad == case.requires_grad,
                   f"unflatten(flatten(t)).requires_grad={back.requires_grad}, t.requires_grad={case.requires_grad}"),
             Check("local data", torch.equal(back.to_local(), shard), "the shard's values changed"),
         ]
-    # Gathering a DTensor whose layout is wrong can abort gloo: gather only when every
-    # rank agrees the layout is right (otherwise the failed layout checks are the verdict).
-    if _all_ranks(bool(layout) and all(c.ok for c in layout)):
-        checks.append(Check("full tensor", torch.equal(back.full_tensor().detach(), full),
-                            "gathered tensor differs from t"))
-        checks += _gradient_checks(case, back, local)
+    checks += gathered_checks(case, full, back, local, layout)
     plain = full.clone()
     out, plain_info = impl.flatten_tensor(plain)
     checks.append(Check("flatten of a plain tensor is the identity", out is plain and plain_info is None,
@@ -74,7 +92,7 @@ def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
     return checks
 
 
-def _all_ranks(flag: bool) -> bool:
+def all_ranks(flag: bool) -> bool:
     import torch.distributed as dist
 
     t = torch.tensor([int(flag)])

@@ -1,7 +1,11 @@
-"""Helpers for tests that watch processes come and go."""
+"""Helpers for tests: processes that come and go, properties that diverge."""
 
-import os
 import time
+
+import pytest
+
+from tpdp_verify.suite import Stats
+from tpdp_verify.verdict import Divergence
 
 
 def alive(pid: int) -> bool:
@@ -22,3 +26,13 @@ def wait_gone(pids, seconds: float = 15.0) -> list[int]:
             return []
         time.sleep(0.1)
     return [p for p in pids if alive(p)]
+
+
+def divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:
+    """Run ``prop``, which must fail; every distinct failure hypothesis found, each a Divergence."""
+    stats = Stats()
+    with pytest.raises(Exception) as info:
+        prop.run(pool, impl, profile, stats)
+    found = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else (info.value,)
+    assert all(isinstance(e, Divergence) for e in found), found
+    return list(found), stats

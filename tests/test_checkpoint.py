@@ -3,11 +3,14 @@
 
 import dataclasses
 import time
+import warnings
 
 import pytest
+from helpers import divergences
 
 from tpdp_verify import profiles
 from tpdp_verify.cases import TrainCase
+from tpdp_verify.errors import UsageError
 from tpdp_verify.properties.checkpoint import (
     checkpoint_cases,
     checkpoint_resumes,
@@ -15,7 +18,6 @@ from tpdp_verify.properties.checkpoint import (
     entry_points_state_dict_like_unsharded,
     state_dict_like_unsharded,
 )
-from tpdp_verify.suite import Stats
 from tpdp_verify.verdict import Divergence
 
 def quick(profile: profiles.Profile) -> profiles.Profile:
@@ -27,15 +29,6 @@ def quick(profile: profiles.Profile) -> profiles.Profile:
 
 def narrowed(prop, **narrower):
     return prop.drawing(case=lambda ws: checkpoint_cases(ws, **narrower))
-
-
-def _divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:
-    stats = Stats()
-    with pytest.raises(Exception) as info:
-        prop.run(pool, impl, profile, stats)
-    found = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else (info.value,)
-    assert all(isinstance(e, Divergence) for e in found), found
-    return list(found), stats
 
 
 def _departure(prop, pool, impl, **drawn) -> str:
@@ -64,7 +57,7 @@ def test_reference_resumes_exactly(tpdp_pool, tpdp_profile):
 
 def test_torch_state_dict_holds_local_shards_then_loses_tp_parameters(tpdp_pool, tpdp_profile):
     prop = narrowed(state_dict_like_unsharded, entries=("ddp_mesh",))
-    found, _ = _divergences(prop, tpdp_pool, "torch", quick(tpdp_profile))
+    found, _ = divergences(prop, tpdp_pool, "torch", quick(tpdp_profile))
     text = "\n".join(map(str, found))
     assert "state_dict holds global shapes: before training" in text, text
     assert "state_dict has the unsharded model's keys: after training: missing" in text, text
@@ -73,7 +66,7 @@ def test_torch_state_dict_holds_local_shards_then_loses_tp_parameters(tpdp_pool,
 
 def test_torch_checkpoints_through_ddp_do_not_load(tpdp_pool, tpdp_profile):
     prop = narrowed(checkpoint_resumes, entries=("ddp_mesh", "transform_ddp"))
-    found, _ = _divergences(prop, tpdp_pool, "torch", quick(tpdp_profile))
+    found, _ = divergences(prop, tpdp_pool, "torch", quick(tpdp_profile))
     text = "\n".join(map(str, found))
     assert "Missing key(s) in state_dict" in text or "model state_dict is empty" in text, text
 
@@ -117,7 +110,16 @@ def test_a_mutant_replacing_by_delattr_is_caught(tpdp_pool, tpdp_profile):
     """Found (not shrunk) within a minute, by the check it breaks: delattr then setattr of
     the DTensor rebuilt for a forward puts it outside the registry, as torch does."""
     start = time.monotonic()
-    found, _ = _divergences(state_dict_like_unsharded, tpdp_pool, "mutants.ReplacesByDelattr",
+    found, _ = divergences(state_dict_like_unsharded, tpdp_pool, "mutants.ReplacesByDelattr",
                             dataclasses.replace(quick(tpdp_profile), shrink=False))
     assert any("state_dict has the unsharded model's keys: after training: missing" in str(e) for e in found), found
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("prop, entry", [(checkpoint_resumes, "replicate"), (entry_points_checkpoint_resume, "ddp_mesh")])
+def test_a_replay_outside_the_property_space_is_a_usage_error(prop, entry):
+    """Outside hypothesis (a replay, a baseline's rerun) there is no assume() to call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no HypothesisDeprecationWarning either
+        with pytest.raises(UsageError, match="outside this property's space"):
+            prop.fn(None, "reference", case=TrainCase(model="mlp", mesh_shape=(1, 2), entry=entry), route="state_dict")

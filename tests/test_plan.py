@@ -100,3 +100,12 @@ def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
     with pytest.raises(UsageError) as excinfo:
         verify(**kwargs)
     assert expected in one_line(excinfo)
+
+
+def test_hypothesis_prints_a_user_case_without_the_user_model():
+    from hypothesis.vendor.pretty import pretty
+
+    from tpdp_verify.cases import TrainCase
+
+    text = pretty(TrainCase(user=um.make_mlp))
+    assert "user" not in text and text.startswith("TrainCase(model='mlp',") and "dtype='float32'" in text

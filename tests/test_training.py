@@ -7,6 +7,7 @@ import time
 
 import mutants
 import pytest
+from helpers import divergences
 
 from tpdp_verify.fixtures import ZOO
 from tpdp_verify.properties.training import (
@@ -16,8 +17,6 @@ from tpdp_verify.properties.training import (
     trains_like_one_device,
     trains_like_plain_ddp,
 )
-from tpdp_verify.suite import Stats
-from tpdp_verify.verdict import Divergence
 
 
 FSDP1_MODELS = tuple(m for m in ZOO if m not in ("tied", "frozen", "unused"))
@@ -49,30 +48,21 @@ def test_reference_trains_exactly_through_fsdp1(tpdp_pools, tpdp_profile):
     assert stats.passed >= tpdp_profile.max_examples
 
 
-def _divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:
-    stats = Stats()
-    with pytest.raises(Exception) as info:
-        prop.run(pool, impl, profile, stats)
-    found = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else (info.value,)
-    assert all(isinstance(e, Divergence) for e in found), found
-    return list(found), stats
-
-
 def test_torch_optimizer_built_after_a_forward_gets_no_parameters(tpdp_pool, tpdp_profile):
     prop = narrowed(trains_like_one_device, entries=("ddp_mesh",), built=("after_forward",))
-    found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    found, _ = divergences(prop, tpdp_pool, "torch", tpdp_profile)
     assert any("optimizer got an empty parameter list" in str(e) for e in found), found
 
 
 def test_torch_optimizer_built_before_wrapping_never_steps(tpdp_pool, tpdp_profile):
     prop = narrowed(entry_points_train_like_one_device, entries=("transform_ddp",), built=("before_wrap",))
-    found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    found, _ = divergences(prop, tpdp_pool, "torch", tpdp_profile)
     assert any("stayed where it was" in str(e) and "the departure is TP+DP's" in str(e) for e in found), found
 
 
 def test_torch_replicate_with_a_mesh_never_trains(tpdp_pool, tpdp_profile):
     prop = narrowed(entry_points_train_like_one_device, entries=("replicate",))
-    found, _ = _divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    found, _ = divergences(prop, tpdp_pool, "torch", tpdp_profile)
     assert any("gradient present where the oracle has one" in str(e) for e in found), found
 
 
@@ -82,7 +72,7 @@ def test_torch_fsdp1_cannot_accumulate_gradients_under_no_sync(tpdp_pools, tpdp_
     FSDP1 hang that has no verdict (docs/properties.md)."""
     prop = entry_points_train_like_one_device.drawing(case=lambda ws: train_cases(
         ws, entries=("fsdp1",), built=("after_wrap",), models=("mlp",), mesh_shapes=((2, 2),)))
-    found, stats = _divergences(prop, tpdp_pools.get(4), "torch", tpdp_profile)
+    found, stats = divergences(prop, tpdp_pools.get(4), "torch", tpdp_profile)
     assert any("invalid python storage" in str(e) for e in found), found
     assert any(case.accumulate == 2 for case in (d["case"] for d in stats.failures.values()))
 
@@ -93,7 +83,7 @@ def test_every_training_mutant_is_caught(tpdp_pools, tpdp_profile, mutant):
     anywhere would be caught too, and would say nothing about the properties' power."""
     start = time.monotonic()
     prop = narrowed(trains_like_one_device, entries=("transform_ddp",))
-    found, _ = _divergences(prop, tpdp_pools.get(4), f"mutants.{mutant.__name__}",
+    found, _ = divergences(prop, tpdp_pools.get(4), f"mutants.{mutant.__name__}",
                             dataclasses.replace(tpdp_profile, shrink=False))
     assert {e.kind for e in found} <= mutant.training_caught_by, found
     assert time.monotonic() - start < 60

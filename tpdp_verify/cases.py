@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tpdp_verify.fixtures.zoo import Size
 
@@ -76,6 +76,13 @@ class TrainCase:
     # A user's model, plan, data and loss (tpdp_verify.plan.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        """How hypothesis prints a case: as repr does, without the user's model (hypothesis
+        prints every field of a dataclass otherwise)."""
+        from hypothesis.vendor.pretty import pprint_fields
+
+        pprint_fields(self, p, cycle, [f.name for f in fields(self) if f.repr])
 
     @property
     def torch_dtype(self):

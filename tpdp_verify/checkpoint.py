@@ -20,10 +20,10 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tpdp_verify.cases import TrainCase
-from tpdp_verify.execute import MESH_DIMS, parter, plan_for, rows
+from tpdp_verify.execute import MESH_DIMS, parter, run_of, tp_model
+from tpdp_verify.pool import caught
 from tpdp_verify.training import (
     Run,
     _built,
@@ -32,7 +32,6 @@ from tpdp_verify.training import (
     _snapshot,
     _state,
     batches,
-    build,
     fixture,
     make_optimizer,
     named,
@@ -74,26 +73,11 @@ def _stateful(wrapped) -> torch.nn.Module:
 def _prepare(case: TrainCase, impl, mesh, tp: bool, seed: int):
     """The case's model from ``seed``, TP'd on mesh["tp"] (unless ``tp`` is False) and wrapped
     by its DP entry point: (run, wrapped, optimizer built before wrapping or None)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     from tpdp_verify.entries import WRAP
 
-    fx = fixture(case)
-    model = build(dataclasses.replace(case, seed=seed))
-    if tp:
-        parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
-        if fx.after_parallelize is not None:
-            fx.after_parallelize(model)
-    before = dict(model.named_parameters(remove_duplicate=False))
-    specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)}
-    early = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
+    model, before, early = tp_model(case, mesh, tp, seed)
     wrapped = WRAP[case.entry](model, case, mesh, impl)
-    run = Run(wrapped.model, wrapped.inner, rows(case, mesh.get_local_rank("dp")),
-              part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fx.loss_parallel,
-              handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
-              before_wrap=before, whole_params=wrapped.whole_params,
-              state_unobserved=wrapped.state_unobserved)
-    return run, wrapped, early
+    return run_of(case, wrapped, mesh, before), wrapped, early
 
 
 def _entries(state_dict: dict) -> list[tuple[str, str, tuple]]:
@@ -270,4 +254,5 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
     # DCP raises CheckpointException, a BaseException: a finding too
     except (Exception, _CheckpointException) as exc:  # a stage that raises is a finding, not a crash of ours
         seen.error = f"{stage}: {_text(exc)}"
+        caught(seen.error)
     return seen

@@ -7,6 +7,7 @@ put together and compare.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import torch
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from tpdp_verify.cases import TrainCase
 from tpdp_verify.pieces import cut
+from tpdp_verify.pool import caught
 from tpdp_verify.training import Run, Trace, build, fixture, make_optimizer, train
 
 MESH_DIMS = ("dp", "tp")
@@ -57,7 +59,38 @@ def plan_for(fx, case: TrainCase, tp_mesh) -> dict:
 
 
 def _failed(stage: str, exc: Exception) -> Trace:
-    return Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip())
+    trace = Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip())
+    caught(trace.error)
+    return trace
+
+
+def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
+    """The case's model from ``seed`` (default the case's), TP'd on mesh["tp"] unless ``tp``
+    is False: (model, its parameters before any DP wrapper, the optimizer the case builds
+    before wrapping or None)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    fx = fixture(case)
+    model = build(case if seed is None else dataclasses.replace(case, seed=seed))
+    if tp:
+        parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
+        if fx.after_parallelize is not None:
+            fx.after_parallelize(model)
+    before = dict(model.named_parameters(remove_duplicate=False))
+    early = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
+    return model, before, early
+
+
+def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
+    """How ``train`` drives the wrapped model on this rank's rows. The layouts are recorded
+    from ``before`` (the TP'd parameters) so that a transform that garbles its own record
+    of them cannot fool the assembly."""
+    specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)}
+    return Run(wrapped.model, wrapped.inner, rows(case, mesh.get_local_rank("dp")),
+               part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
+               handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
+               before_wrap=before, whole_params=wrapped.whole_params,
+               state_unobserved=wrapped.state_unobserved)
 
 
 def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = True) -> Trace:
@@ -66,33 +99,19 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
     With ``tp=False`` the unsharded model goes through the same entry point on the same
     dp groups (the transform finds no DTensor and does nothing): the plain-DP oracle.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     from tpdp_verify.entries import WRAP
     from tpdp_verify.impl import installed, load
     from tpdp_verify.pool import device_mesh
 
-    impl, fx = load(impl_name), fixture(case)
+    impl = load(impl_name)
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
     with installed(impl):
-        model = build(case)
-        if tp:
-            parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
-            if fx.after_parallelize is not None:
-                fx.after_parallelize(model)
-        before = dict(model.named_parameters(remove_duplicate=False))
-        specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)}
-        # Built here, on the TP'd model, when the case builds it before the DP wrapper.
-        early = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
+        model, before, early = tp_model(case, mesh, tp)
         try:
             wrapped = WRAP[case.entry](model, case, mesh, impl)
         except Exception as exc:
             return _failed(f"wrapping with {case.entry}", exc)
-        run = Run(wrapped.model, wrapped.inner, rows(case, mesh.get_local_rank("dp")),
-                  part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fx.loss_parallel,
-                  handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
-                  before_wrap=before, whole_params=wrapped.whole_params,
-                  state_unobserved=wrapped.state_unobserved)
+        run = run_of(case, wrapped, mesh, before)
         return train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
 
 

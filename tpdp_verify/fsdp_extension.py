@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from tpdp_verify.transform import ShardingInfo
+from tpdp_verify.transform import ShardingInfo, flatten, unflatten
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
 
@@ -76,19 +76,12 @@ class FSDPExtension:
     # -- flattening for the FlatParameter ------------------------------------------------
 
     def pre_flatten_transform(self, t: torch.Tensor) -> tuple[torch.Tensor, ShardingInfo | None]:
-        if not isinstance(t, DTensor):
-            return t, None
-        with torch.no_grad():
-            shard = t.to_local()
-        local = shard.detach().requires_grad_(t.requires_grad)
-        return local, ShardingInfo(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        return flatten(t)
 
     def post_unflatten_transform(self, local: torch.Tensor, info: ShardingInfo) -> DTensor:
         from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
 
-        result = DTensor.from_local(
-            local, info.mesh, info.placements, run_check=False, shape=info.shape, stride=info.stride
-        )
+        result = unflatten(local, info)
         _set_fsdp_flattened(result)  # FSDP's marker: never flatten this tensor again
         return result
 

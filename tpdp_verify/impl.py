@@ -50,25 +50,8 @@ def load(name: str = "torch") -> SimpleNamespace:
     """The functions of implementation ``name``; a clear UsageError if it cannot be used."""
     if name == "torch":
         return _torch()
-    try:
-        source = _resolve("tpdp_verify.transform" if name == "reference" else name)
-    except ImportError as exc:
-        raise UsageError(
-            f"implementation {name!r} does not import ({exc}); give torch, reference or an "
-            "importable dotted path"
-        ) from None
-    if isinstance(source, type):
-        source = source()
-    missing = [f for f in FUNCTIONS if not callable(getattr(source, f, None))]
-    if missing and _variant_of("tpdp_verify.fsdp_extension", "FSDPExtension", source):
-        # A variant of the reference FSDP extension (a mutant) keeps the reference transform.
-        return _with(name, FUNCTIONS, source, _resolve("tpdp_verify.transform.Transform")())
-    if missing:
-        raise UsageError(
-            f"implementation {name!r} lacks {', '.join(missing)}; it must define all of "
-            f"{', '.join(FUNCTIONS)} (see tpdp_verify/transform.py)"
-        )
-    return SimpleNamespace(name=name, **{f: getattr(source, f) for f in FUNCTIONS})
+    return _load(name, "implementation", FUNCTIONS, "tpdp_verify.transform",
+                 "tpdp_verify.transform.Transform", "tpdp_verify.fsdp_extension.FSDPExtension")
 
 
 # Where torch's DP entry points look the transform up: DDP(device_mesh=...) and replicate
@@ -140,29 +123,32 @@ def load_fsdp(name: str = "torch") -> SimpleNamespace:
 
         ext = DTensorExtensions(_FSDPDeviceHandle.from_device(torch.device(device_type())))
         return SimpleNamespace(name="torch", **{f: getattr(ext, f) for f in FSDP_FUNCTIONS})
+    reference = "tpdp_verify.fsdp_extension.FSDPExtension"
+    return _load(name, "FSDP extension", FSDP_FUNCTIONS, reference, reference, "tpdp_verify.transform.Transform")
+
+
+def _load(name: str, what: str, functions: tuple[str, ...], reference: str, reference_class: str,
+          sibling_class: str) -> SimpleNamespace:
+    """``functions`` of ``name`` (``reference`` for "reference", else a dotted path; a class
+    is instantiated). A variant of the other family's reference (``sibling_class``: a
+    mutant of it) keeps this family's reference (``reference_class``) for what it lacks."""
     try:
-        source = _resolve("tpdp_verify.fsdp_extension.FSDPExtension" if name == "reference" else name)
+        source = _resolve(reference if name == "reference" else name)
     except ImportError as exc:
         raise UsageError(
-            f"FSDP extension {name!r} does not import ({exc}); give torch, reference or an "
-            "importable dotted path"
+            f"{what} {name!r} does not import ({exc}); give torch, reference or an importable dotted path"
         ) from None
     if isinstance(source, type):
         source = source()
-    missing = [f for f in FSDP_FUNCTIONS if not callable(getattr(source, f, None))]
-    if missing and _variant_of("tpdp_verify.transform", "Transform", source):
-        # A variant of the reference transform (a mutant) keeps the reference FSDP extension.
-        return _with(name, FSDP_FUNCTIONS, source, _resolve("tpdp_verify.fsdp_extension.FSDPExtension")())
+    missing = [f for f in functions if not callable(getattr(source, f, None))]
+    if missing and isinstance(source, _resolve(sibling_class)):
+        return _with(name, functions, source, _resolve(reference_class)())
     if missing:
         raise UsageError(
-            f"FSDP extension {name!r} lacks {', '.join(missing)}; it must define all of "
-            f"{', '.join(FSDP_FUNCTIONS)} (see tpdp_verify/fsdp_extension.py)"
+            f"{what} {name!r} lacks {', '.join(missing)}; it must define all of "
+            f"{', '.join(functions)} (see {reference_class.rpartition('.')[0].replace('.', '/')}.py)"
         )
-    return SimpleNamespace(name=name, **{f: getattr(source, f) for f in FSDP_FUNCTIONS})
-
-
-def _variant_of(module: str, cls: str, source) -> bool:
-    return isinstance(source, getattr(importlib.import_module(module), cls))
+    return SimpleNamespace(name=name, **{f: getattr(source, f) for f in functions})
 
 
 def _with(name: str, functions: tuple[str, ...], source, fallback) -> SimpleNamespace:

@@ -18,6 +18,7 @@ from torch import nn
 
 from tpdp_verify.cases import TrainCase
 from tpdp_verify.fixtures.zoo import ZOO, Fixture
+from tpdp_verify.pool import caught
 
 LR = {"sgd": 0.1, "adam": 1e-2}
 
@@ -220,6 +221,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         trace.raised_in = running[-1] or "<the whole model>" if running else ""
         where = f"in the forward of {trace.raised_in}: " if running else ""
         trace.error = where + "".join(traceback.format_exception_only(exc)).strip()
+        caught(trace.error)
     return trace
 
 

@@ -44,23 +44,33 @@ class ShardingInfo(NamedTuple):
     stride: tuple[int, ...]
 
 
+def flatten(t: torch.Tensor) -> tuple[torch.Tensor, ShardingInfo | None]:
+    """A DTensor's shard as a leaf sharing its storage, and what rebuilds the DTensor from
+    it; any other tensor as it is. Module level, shared by the reference transform and the
+    reference FSDP extension, so that a mutant of one leaves the other intact."""
+    if not isinstance(t, DTensor):
+        return t, None
+    with torch.no_grad():
+        shard = t.to_local()
+    local = shard.detach().requires_grad_(t.requires_grad)
+    return local, ShardingInfo(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+
+
+def unflatten(local: torch.Tensor, info: ShardingInfo) -> DTensor:
+    return DTensor.from_local(local, info.mesh, info.placements, run_check=False, shape=info.shape,
+                              stride=info.stride)
+
+
 class Transform:
     """The reference: one method for each function in tpdp_verify.impl.FUNCTIONS."""
 
     # -- the tensor transform --------------------------------------------------------
 
     def flatten_tensor(self, t: torch.Tensor) -> tuple[torch.Tensor, ShardingInfo | None]:
-        if not isinstance(t, DTensor):
-            return t, None
-        with torch.no_grad():
-            shard = t.to_local()
-        local = shard.detach().requires_grad_(t.requires_grad)
-        return local, ShardingInfo(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        return flatten(t)
 
     def unflatten_tensor(self, local: torch.Tensor, info: ShardingInfo) -> DTensor:
-        return DTensor.from_local(
-            local, info.mesh, info.placements, run_check=False, shape=info.shape, stride=info.stride
-        )
+        return unflatten(local, info)
 
     # -- the module transform --------------------------------------------------------
 
