@@ -70,6 +70,14 @@ def test_ranks_end_when_pytest_is_interrupted(tmp_path):
     pids = [int(p) for p in pids_file.read_text().split()]
     time.sleep(1.0)  # the ranks are now inside the long call
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired as exc:  # say what was still running, then clean up
+        tree = subprocess.run(["ps", "-e", "-o", "pid,ppid,stat,etime,args"], capture_output=True, text=True).stdout
+        proc.kill()
+        out, _ = proc.communicate()
+        mine = [line for line in tree.splitlines() if any(str(p) in line.split()[:2] for p in [proc.pid, *pids])]
+        pytest.fail(f"pytest did not end within 60 s of SIGINT ({exc}); its processes and ranks:\n"
+                    + "\n".join(mine) + f"\n--- its output ---\n{out[-4000:]}")
     assert "KeyboardInterrupt" in out, out
     assert wait_gone(pids) == []
