@@ -59,8 +59,12 @@ def test_long(tpdp_pool):
 def test_ranks_end_when_pytest_is_interrupted(tmp_path):
     (tmp_path / "test_user.py").write_text(textwrap.dedent(USER_TEST))
     pids_file = tmp_path / "pids"
+    # Ctrl-C from a terminal: a shell that starts this suite in the background (`make test &`)
+    # hands its children SIGINT ignored, so the user's pytest restores Python's handler.
+    start = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'test_user.py']))")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py"],
+        [sys.executable, "-c", start],
         cwd=tmp_path, env={**os.environ, "PIDS_FILE": str(pids_file)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
