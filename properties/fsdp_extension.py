@@ -17,7 +17,9 @@ import contextlib
 
 import torch
 
+from tpdp_verify import signature
 from tpdp_verify.compare import Check, assert_checks
+from tpdp_verify.properties.exclusions import CHUNK_TENSOR_MESH_DIMS
 from tpdp_verify.properties.roundtrip import all_ranks, distributed_param, gathered_checks, layout_checks
 from tpdp_verify.properties.strategies import FSDPCase, TensorCase, fsdp_cases, tensor_cases
 from tpdp_verify.suite import tpdp_property
@@ -30,7 +32,7 @@ def _raised(name: str, call) -> tuple[object, list[Check]]:
     try:
         return call(), []
     except Exception as exc:  # noqa: BLE001 - the exception is the verdict
-        return None, [Check(f"{name} runs", False, f"{type(exc).__name__}: {exc}")]
+        return None, [Check(f"{name} runs", False, f"{type(exc).__name__}: {exc}", signature.raised(exc))]
 
 
 # -- pre_flatten_transform / post_unflatten_transform ------------------------------------
@@ -355,7 +357,7 @@ def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
     return checks
 
 
-@tpdp_property(case=lambda world_size: fsdp_cases(world_size, mesh_dims=(2,)))
+@tpdp_property(case=lambda world_size: fsdp_cases(world_size, mesh_dims=CHUNK_TENSOR_MESH_DIMS))  # chunk_tensor_hsdp
 def chunk_tensor_metadata(pool, impl: str, case: FSDPCase) -> None:
     """chunk_tensor(t)'s ShardedTensor: its local shard is DTensor's local shape and offset, its shards tile t once, its inner chunks hold t's shard."""
     assert_checks(pool.run(observe_chunk_tensor, case, impl))

@@ -12,7 +12,8 @@ import torch
 from hypothesis import strategies as st
 
 from tpdp_verify.compare import Check, assert_checks
-from tpdp_verify.properties.modules import TreeCase, build, count_params, module_trees
+from tpdp_verify.properties.exclusions import TREES_WITHOUT_PARAMETERS
+from tpdp_verify.properties.modules import TreeCase, build, module_trees
 from tpdp_verify.suite import tpdp_property
 
 MODES = st.lists(st.tuples(st.sampled_from(["train", "eval"]), st.booleans()), min_size=1, max_size=3)
@@ -147,7 +148,7 @@ def observe_paths(case: TreeCase, pick: int, impl_name: str) -> list[Check]:
 
 
 def _trees_with_parameters(world_size: int):
-    return module_trees(world_size).filter(lambda case: count_params(case) > 0)
+    return module_trees(world_size).filter(lambda case: not TREES_WITHOUT_PARAMETERS.test(case))
 
 
 @tpdp_property(case=_trees_with_parameters, pick=st.integers(0, 10**6))

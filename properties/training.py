@@ -18,7 +18,8 @@ from tpdp_verify.compare import Check
 from tpdp_verify.execute import observe, observe_both
 from tpdp_verify.fixtures.zoo import ZOO
 from tpdp_verify.oracles.single_device import oracle
-from tpdp_verify.suite import tpdp_property
+from tpdp_verify.properties.exclusions import OUTSIDE_CONTRACT, empty_width, needs_find_unused
+from tpdp_verify.suite import tpdp_property, worth_explaining
 from tpdp_verify.verdict import Verdict, assemble, judge, localize
 
 # 1e-6 MB is a few bytes: every gradient gets a bucket of its own, the most buckets DDP makes.
@@ -31,12 +32,10 @@ def meshes(world_size: int) -> list[tuple[int, int]]:
     return sorted(shapes, key=lambda s: (min(s) == 1, s[0]))
 
 
-# Optimizer timings a DP entry point's own contract rules out, with or without TP: FSDP
-# replaces the parameters when it wraps (both versions' docs: build the optimizer after
-# wrapping), and FSDP2 leaves the root's parameters unsharded after a forward, so an
-# optimizer built then holds those (plain FSDP2 does it too: docs/properties.md).
-# DDP makes no such demand of its users: for DDP these timings are drawn.
-OUTSIDE_CONTRACT = {("fsdp1", "before_wrap"), ("fully_shard", "before_wrap"), ("fully_shard", "after_forward")}
+# Optimizer timings a DP entry point's own contract rules out, with or without TP
+# (OUTSIDE_CONTRACT: the exclusions fsdp_optimizer_before_wrap and
+# fsdp2_optimizer_after_forward, properties/exclusions.py). DDP makes no such demand of
+# its users: for DDP these timings are drawn.
 
 
 # Where the DP entry points carry TP as documented, so that a correct transform trains
@@ -58,20 +57,11 @@ def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
     return [b for b in built if (entry, b) not in OUTSIDE_CONTRACT]
 
 
-def _no_empty_shard(size, tp: int) -> bool:
-    """Every sharded width (dim, hidden; the vocab never has empty shards) gives each tp rank
-    a row. With an empty shard FSDP2 hangs (ranks holding rows wait in a collective the
-    others never enter) and FSDP1 cannot write back: docs/properties.md has both. A hang
-    gives no verdict and cannot be shrunk, so FSDP cases are drawn without empty shards."""
-    return all(-(-n // tp) * (tp - 1) < n for n in (size.dim, size.hidden))  # torch.chunk's split
-
-
 @st.composite
 def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)) -> DDPOptions:
     static = draw(st.sampled_from(static_graph))
-    # DDP's contract: a parameter that gets no gradient needs find_unused_parameters or a
-    # static graph, with or without TP. A case outside it would only test DDP's error.
-    unused = draw(st.booleans()) or (model == "unused" and not static)
+    # The exclusion ddp_unused_without_find_unused (DDP's own contract).
+    unused = draw(st.booleans()) or needs_find_unused(model, static)
     return DDPOptions(
         bucket_cap_mb=draw(st.sampled_from(BUCKET_CAPS)),
         gradient_as_bucket_view=draw(st.booleans()),
@@ -90,7 +80,8 @@ def _one_of(values: tuple) -> st.SearchStrategy:
 
 @functools.cache
 def _sizes(model: str, tp: int, empty_shards: bool) -> st.SearchStrategy:
-    return ZOO[model].sizes(tp).filter(lambda s: empty_shards or _no_empty_shard(s, tp))
+    """Without ``empty_shards`` (FSDP): the exclusion fsdp_empty_shard (a hang)."""
+    return ZOO[model].sizes(tp).filter(lambda s: empty_shards or not empty_width(s, tp))
 
 
 _ddp_options = functools.cache(ddp_options)
@@ -138,21 +129,12 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
         f"departs too ({alone.kind}): the departure is {case.entry}'s own"
 
 
-def _read() -> bool:
-    """Whether this verdict reaches a reader: outside hypothesis (a replay), or in the final
-    replay of the example hypothesis reports. Explaining costs two more runs on the ranks;
-    the many failing runs of shrinking need none."""
-    from hypothesis.control import current_build_context, currently_in_test_context
-
-    return not currently_in_test_context() or current_build_context().is_final
-
-
 def verdict_one_device(pool, impl: str, case: TrainCase) -> Verdict:
     whole, checks = assemble(case, pool.run(observe, case, impl))
     baseline, shadow = oracle(case)
     verdict = judge(case, whole, baseline, shadow)
     verdict.checks[:0] = checks
-    if not verdict.ok and _read():
+    if not verdict.ok and worth_explaining(verdict.signature):
         _explain(verdict, pool, impl, case)
     return verdict
 

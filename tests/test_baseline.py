@@ -14,11 +14,12 @@ from tpdp_verify.fixtures.zoo import Size
 from tpdp_verify.gate import Finding, Outcome
 
 CASE = TrainCase(model="frozen", size=Size(dim=3), mesh_shape=(2, 1))
+REGISTRY, GRADIENT = "check:parameters-stay-registered-in-order", "value:gradient"
 
 
-def diverges(prop, kind, world_size=2, case=CASE):
-    return Outcome(prop, world_size, "diverges", 1.0, findings=[Finding(f"{kind}: departs\nmore", "", kind,
-                                                                        {"case": case})])
+def diverges(prop, *parts, world_size=2, case=CASE, status=""):
+    return Outcome(prop, world_size, "diverges", 1.0, findings=[
+        Finding(f"{parts[0]}: departs\nmore", "", "", {"case": case}, tuple(parts), status)])
 
 
 def passes(prop, world_size=2):
@@ -27,41 +28,68 @@ def passes(prop, world_size=2):
 
 def test_entries_round_trip_through_a_file_and_rebuild_the_case(tmp_path):
     path = tmp_path / "b.json"
-    assert baseline.write(str(path), [diverges("p", "Kind"), passes("q")], "ci", "torch") == 1
+    assert baseline.write(str(path), [diverges("p", REGISTRY, GRADIENT), passes("q")], "ci", "torch") == 1
     header, known = baseline.load(str(path))
-    assert header["profile"] == "ci" and [k.key for k in known] == [("p", 2, "Kind")]
-    assert known[0].drawn() == {"case": CASE} and known[0].summary == "Kind: departs"
+    assert header["profile"] == "ci" and [k.key for k in known] == [("p", 2, (REGISTRY, GRADIENT))]
+    assert known[0].drawn() == {"case": CASE} and known[0].summary == f"{REGISTRY}: departs"
 
 
 def test_a_run_is_sorted_into_known_new_changed_fixed_and_not_run():
     listed = baseline.entries([diverges("a", "K"), diverges("b", "K"), diverges("c", "K"), diverges("d", "K"),
                                diverges("e", "K", world_size=8)])
-    run = [diverges("a", "K"), diverges("a", "Other"), passes("b"), passes("c"), passes("d")]
+    # what the searches met: a's known failure (counted), and a's new one (raised)
+    run = [diverges("a", "K", status="known"), diverges("a", "K", "Other"), passes("b"), passes("c"), passes("d")]
     reran = []
 
     def rerun(entry):
         reran.append(entry.property)
-        return {"b": "K", "c": "Else", "d": ""}[entry.property]
+        return {"b": ("K",), "c": ("K", "Else"), "d": ()}[entry.property]
 
     j = baseline.judge(run, listed, rerun)
-    assert [k.key for k in j.new] == [("a", 2, "Other")]
+    assert [k.key for k in j.new] == [("a", 2, ("K", "Other"))]
     assert [k.property for k in j.known] == ["a", "b"]  # b: found again by its recorded case
-    assert [(k.property, now) for k, now in j.changed] == [("c", "now raises Else")]
+    assert [(k.property, now) for k, now in j.changed] == [("c", "now K + Else")]
     assert [k.property for k in j.fixed] == ["d"] and [k.property for k in j.not_run] == ["e"]
     assert reran == ["b", "c", "d"] and j.blocks
+    assert [o.status for o in run] == ["known", "diverges", "known", "diverges", "pass"]
     text = baseline.report(j, {"torch": "2.13.0", "profile": "ci"}, "b.json")
     assert "1 new, 1 changed, 1 fixed, 2 known: blocks" in text
 
 
+def test_a_known_fault_with_a_new_one_in_the_same_case_is_new():
+    """The registry fault is known; a case that also departs in its gradients is not."""
+    listed = baseline.entries([diverges("a", REGISTRY)])
+    run = [diverges("a", REGISTRY, GRADIENT)]
+    j = baseline.judge(run, listed, lambda e: pytest.fail("a's entry was met: the new failure shows it"))
+    assert [k.signature for k in j.new] == [(REGISTRY, GRADIENT)] and j.blocks and len(j.known) == 1
+    assert run[0].findings[0].status == "NEW" and run[0].status == "diverges"
+
+
+def test_every_part_known_from_different_entries_is_known():
+    listed = baseline.entries([diverges("a", REGISTRY), diverges("a", GRADIENT, case=TrainCase(model="mlp"))])
+    run = [diverges("a", REGISTRY, GRADIENT, status="known")]
+    j = baseline.judge(run, listed, lambda e: pytest.fail("both entries were met"))
+    assert not j.new and run[0].status == "known" and len(j.known) == 2
+
+
 def test_nothing_new_passes():
-    j = baseline.judge([diverges("a", "K")], baseline.entries([diverges("a", "K")]), lambda e: pytest.fail())
+    j = baseline.judge([diverges("a", "K", status="known")], baseline.entries([diverges("a", "K")]),
+                       lambda e: pytest.fail())
     assert not j.blocks and len(j.known) == 1
+
+
+def test_an_old_baseline_says_how_to_regenerate_it(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"schema": 1, "profile": "ci", "known": []}')
+    with pytest.raises(UsageError, match=r"schema 1, .*regenerate it: tpdp-verify gate --profile ci --baseline "
+                                         r".*old.json --update-baseline$"):
+        baseline.load(str(path))
 
 
 @pytest.mark.parametrize("text, expected", [
     (None, "no baseline"), ("{not json", "cannot read the baseline"),
     ('{"schema": 9, "known": []}', "is not a tpdp-verify baseline"),
-    ('{"schema": 1, "known": [{"property": "p"}]}', "an entry lacks 'world_size'"),
+    ('{"schema": 2, "known": [{"property": "p"}]}', "an entry lacks 'world_size'"),
 ])
 def test_a_bad_baseline_is_one_line(tmp_path, text, expected):
     path = tmp_path / "b.json"
@@ -94,7 +122,7 @@ def test_known_divergences_md_lists_every_entry_of_the_shipped_baseline():
 
     doc = (Path(__file__).parent.parent / "docs" / "known-divergences.md").read_text()
     _, known = baseline.load("torch-2.13.0")
-    missing = [k.key for k in known if f"### `{k.property}` (world size {k.world_size}): `{k.kind}`" not in doc]
+    missing = [k.key for k in known if f"### `{k.property}` (world size {k.world_size}): {k.kind}" not in doc]
     assert not missing, f"regenerate with python -m tpdp_verify.baseline: {missing}"
 
 

@@ -56,7 +56,7 @@ def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_s
         torch_gate, tmp_path):
     out, _ = torch_gate
     assert out.returncode == 1, out.stderr
-    assert f"{len(TORCH_PASSES)} passed, {DIVERGING} diverged, 0 infrastructure failures" in out.stdout
+    assert f"{len(TORCH_PASSES)} passed, 0 known only, {DIVERGING} diverged, 0 infrastructure failures" in out.stdout
     assert "== flatten_roundtrip (world size 2): diverges" in out.stdout
     replay = out.stdout.split("-- replay (save as a file and run it with python):\n", 1)[1]
     replay = replay.split("\n\n== ", 1)[0]  # the first property's script only
@@ -64,7 +64,9 @@ def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_s
     replayed = subprocess.run([sys.executable, "replay.py"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 1
-    found = out.stdout.split("== flatten_roundtrip (world size 2): diverges\n", 1)[1].splitlines()[0]
+    section = out.stdout.split("== flatten_roundtrip (world size 2): diverges\n", 1)[1].splitlines()
+    assert section[1].startswith("found: ") and section[2].startswith("signature: check:")
+    found = section[3]
     assert found.startswith("tpdp_verify.verdict.") and found in replayed.stderr, (found, replayed.stderr)
 
 
@@ -75,8 +77,8 @@ def test_gate_against_the_reference_passes_every_property_of_the_transform():
     assert out.returncode == 1, out.stdout + out.stderr
     for prop in ALL:
         status = "DIVERGES" if prop in REFERENCE_DEPARTS else "PASS"
-        assert re.search(rf"{prop.name} +world 2 +{status} +\d+ examples", out.stdout), out.stdout
-    assert (f"{len(ALL) - len(REFERENCE_DEPARTS)} passed, {len(REFERENCE_DEPARTS)} diverged, "
+        assert re.search(rf"{prop.name} +world 2 +{status} +\d+ drawn", out.stdout), out.stdout
+    assert (f"{len(ALL) - len(REFERENCE_DEPARTS)} passed, 0 known only, {len(REFERENCE_DEPARTS)} diverged, "
             "0 infrastructure failures") in out.stdout
 
 
@@ -103,7 +105,7 @@ def test_console_script_is_installed():
 @pytest.mark.timeout(300)
 def test_progress_lines_count_properties_failures_and_elapsed_time(torch_gate):
     out, _ = torch_gate
-    lines = re.findall(r"\[ *(\d+)/(\d+)\] (\w+) +world 2 +([A-Z]+) +\d+ examples .*"
+    lines = re.findall(r"\[ *(\d+)/(\d+)\] (\w+) +world 2 +([A-Z]+) +\d+ drawn.*"
                        r"\(failures so far: (\d+), elapsed (\d+) s\)", out.stdout)
     assert [(int(done), int(total), name) for done, total, name, *_ in lines] == [
         (i, len(ALL), prop.name) for i, prop in enumerate(ALL, 1)], out.stdout
@@ -123,14 +125,14 @@ def test_gate_json_has_the_header_and_an_entry_per_property(torch_gate):
         "command": "gate", "impl": "torch", "profile": "smoke", "backend": "auto",
         "world_sizes": [2], "exit_code": out.returncode, "error": ""}
     assert [p["name"] for p in record["properties"]] == [prop.name for prop in ALL]
-    assert record["counts"] == {"pass": len(TORCH_PASSES), "diverges": DIVERGING, "infra": 0}
+    assert record["counts"] == {"pass": len(TORCH_PASSES), "known": 0, "diverges": DIVERGING, "infra": 0}
     for p, prop in zip(record["properties"], ALL):
         assert p["examples"] >= 1 and p["backend"] == "gloo"
         if prop in TORCH_PASSES:
             assert p["status"] == "pass" and not p["findings"]
             continue
         assert p["status"] == "diverges" and p["findings"] and all(f["failure"] for f in p["findings"])
-        assert all(f["kind"] and f["case"] for f in p["findings"])
+        assert all(f["kind"] and f["case"] and f["signature"] and f["status"] == "found" for f in p["findings"])
         assert p["report"] in out.stdout  # the report is the terminal's, word for word
     assert sum(p["seconds"] for p in record["properties"]) <= record["seconds"]
     assert "RankPool(2)" in record["properties"][0]["findings"][0]["replay"]
@@ -149,8 +151,8 @@ def test_gate_junit_has_a_failing_testcase_per_divergent_property(torch_gate):
     assert out.returncode == 1 and all(f is not None for f in failures) and len(failures) == DIVERGING
     assert int(suite.get("failures")) == len(failures) and suite.get("errors") == "0"
     for f in failures:
-        first = f.text.splitlines()[1]  # the line after the report's "== property" header
-        assert "\n" not in f.get("message") and f.get("message").startswith(first[:100])
+        first = f.text.splitlines()[2]  # "found: <kind>", after the "== property" header
+        assert "\n" not in f.get("message") and first.startswith(f.get("message")[:100])
         assert "-- replay" in f.text
     assert {p.get("name"): p.get("value") for p in suite.iter("property")}["impl"] == "torch"
 
@@ -162,7 +164,7 @@ def test_gate_markdown_has_a_row_and_a_fenced_report_per_divergence(torch_gate):
     rows = [line for line in md.splitlines() if line.startswith("| ") and " | 2 | " in line]
     assert [row.split(" | ")[2] for row in rows] == ["PASS" if p in TORCH_PASSES else "DIVERGES" for p in ALL]
     assert md.count("\n```text\n") == DIVERGING
-    assert f"{len(TORCH_PASSES)} passed, {DIVERGING} diverged" in md.splitlines()[0]
+    assert f"{len(TORCH_PASSES)} passed, 0 known only, {DIVERGING} diverged" in md.splitlines()[0]
 
 
 @pytest.mark.parametrize("command, option, path, reason", [
@@ -281,3 +283,26 @@ def test_plan_input_mistakes_are_one_line_and_exit_2(args, expected):
     out = plan(*args[:1], "--plan", "user_models:PLAN", "--input", "user_models:vectors", *args[1:])
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and expected in out.stderr, out.stderr
+
+
+def _broken_judge(pool, impl, n):
+    """A property whose judging (in the parent, tpdp-verify's own code) fails."""
+    return {}["no such key"]
+
+
+def test_an_internal_error_exits_3_with_one_line_and_a_log(tmp_path, monkeypatch, capsys):
+    from hypothesis import strategies as st
+
+    from tpdp_verify import cli as cli_mod
+    from tpdp_verify import properties
+    from tpdp_verify.suite import tpdp_property
+
+    broken = tpdp_property(n=st.integers(0, 3))(_broken_judge)
+    monkeypatch.setattr(properties, "ALL", (broken,))
+    code = cli_mod.main(["gate", "--json", str(tmp_path / "gate.json"), "--junit", str(tmp_path / "junit.xml")])
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1, err
+    log = re.search(r"the traceback is in (\S+)$", err.strip()).group(1)
+    assert "KeyError: 'no such key'" in Path(log).read_text() and "_broken_judge" in Path(log).read_text()
+    record = json.loads((tmp_path / "gate.json").read_text())
+    assert record["exit_code"] == 3 and log in record["error"]

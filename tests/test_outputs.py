@@ -12,12 +12,17 @@ from tpdp_verify.gate import Finding, Outcome
 from tpdp_verify.suite import Stats
 
 FAILURE = "tpdp_verify.verdict.Diverged: 2 of 9 values beyond their bound\nFalsifying example: f(case=1)"
+SIGNATURE = ("check:parameters-stay-registered-in-order", "value:gradient")
 OUTCOMES = [
-    Outcome("passes", 4, "pass", 1.25, Stats(examples=40, passed=40), backend="gloo"),
-    Outcome("diverges", 4, "diverges", 2.5, Stats(examples=12, passed=11),
-            findings=[Finding(FAILURE + "\x1b[0m ```", "print('replay')\n")], backend="gloo"),
+    Outcome("passes", 4, "pass", 1.25, Stats(examples=40, passed=40, drawn=40), backend="gloo", wanted=40),
+    Outcome("diverges", 4, "diverges", 2.5, Stats(examples=12, passed=11, drawn=11),
+            findings=[Finding(FAILURE + "\x1b[0m ```", "print('replay')\n", "k", {"case": 1}, SIGNATURE, "NEW")],
+            backend="gloo", wanted=40),
     Outcome("hangs", 4, "infra", 120.0, Stats(examples=1),
-            message="ranks 1, 3 hung:\n  all in a barrier", backend="gloo"),
+            message="ranks 1, 3 hung:\n  all in a barrier", backend="gloo", wanted=40),
+    Outcome("knows", 4, "known", 3.0, Stats(examples=40, passed=2, drawn=40, known=38),
+            findings=[Finding("known", "print('replay')\n", "parameters stay registered in order", {"case": 2},
+                              SIGNATURE[:1], "known")], backend="gloo", wanted=40),
 ]
 
 
@@ -28,37 +33,42 @@ def record(error=""):
 
 def test_json_counts_and_keys():
     data = json.loads(outputs.to_json(record()))
-    assert data["counts"] == {"pass": 1, "diverges": 1, "infra": 1}
-    assert [p["status"] for p in data["properties"]] == ["pass", "diverges", "infra"]
+    assert data["counts"] == {"pass": 1, "known": 1, "diverges": 1, "infra": 1}
+    assert [p["status"] for p in data["properties"]] == ["pass", "diverges", "infra", "known"]
     assert data["properties"][0]["report"] == "" and data["properties"][1]["findings"][0]["replay"]
-    assert list(data["properties"][0]) == ["name", "world_size", "backend", "status", "examples",
-                                           "passed", "discarded", "seconds", "message",
+    assert list(data["properties"][0]) == ["name", "world_size", "backend", "status", "drawn", "wanted",
+                                           "drew_fewer", "stopped_because", "covered", "known_only",
+                                           "examples", "passed", "discarded", "seconds", "message",
                                            "findings", "report"]
+    finding = data["properties"][1]["findings"][0]
+    assert (finding["status"], finding["signature"]) == ("NEW", list(SIGNATURE))
+    assert [p["drew_fewer"] for p in data["properties"]] == [False, True, False, False]
 
 
-def test_junit_has_a_failure_for_a_divergence_and_an_error_for_a_hang():
+def test_junit_fails_exactly_the_blocking_divergences_and_errors_a_hang():
     suite = ET.fromstring(outputs.to_junit(record())).find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "1", "1")
-    passes, diverges, hangs = suite.findall("testcase")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "1", "1")
+    passes, diverges, hangs, knows = suite.findall("testcase")
     assert list(passes) == [] and passes.get("time") == "1.250"
     failure = diverges.find("failure")
-    assert failure.get("message") == FAILURE.splitlines()[0]
+    assert failure.get("message") == "NEW: k"
     assert "\x1b" not in failure.text and "Falsifying example: f(case=1)" in failure.text
     assert hangs.find("error").get("message") == "ranks 1, 3 hung: all in a barrier"
+    assert knows.find("failure") is None and "known" in knows.find("system-out").text
 
 
 def test_junit_counts_a_run_cut_short_as_one_more_error():
     why = "ranks of world size 8 did not start"
     suite = ET.fromstring(outputs.to_junit(record(why))).find("testsuite")
-    assert (suite.get("tests"), suite.get("errors")) == ("4", "2")
+    assert (suite.get("tests"), suite.get("errors")) == ("5", "2")
     assert suite.findall("testcase")[-1].find("error").get("message") == why
 
 
 def test_markdown_fences_each_report_beyond_its_own_backticks():
     md = outputs.to_markdown(record("cut short"))
-    assert "| diverges | 4 | DIVERGES | 12 | 2.5 |" in md
+    assert "| diverges | 4 | DIVERGES | 11 (fewer than 40) | 0 | NEW: k | 2.5 |" in md
     assert "**The run stopped early**: cut short" in md
-    assert md.count("\n````text\n") == 1 and md.count("\n```text\n") == 1  # the hang has no backticks
+    assert md.count("\n````text\n") == 1 and md.count("\n```text\n") == 2  # the hang and the known: none
 
 
 def test_check_writable_leaves_no_file_and_keeps_an_existing_one(tmp_path):

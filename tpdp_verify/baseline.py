@@ -1,18 +1,18 @@
 """Known divergences: a gate run judged against a recorded baseline.
 
 A baseline (JSON) lists the divergences a torch build is known to have. Each entry gives
-the property, the world size, the kind (the exception type the property raised, which
-names the check that departs) and the shrunk case that shows it. With a baseline, the
-gate sorts what it finds:
+the property, the world size, the signature of the failure (tpdp_verify.signature: every
+check that failed, the kind of value that departed first, an exception's type and frame,
+a crash's signal) and the shrunk case that shows it.
 
-- **known**: the baseline lists it (same property, world size and kind);
-- **new**: the baseline does not list it.
+With a baseline, each property's search counts an example whose every failure part the
+baseline records for that property as **known**, and goes on drawing; a failure with a
+part the baseline does not record is **NEW**, shrunk and replayed. Each recorded case the
+search did not meet again is run once more:
 
-For each listed divergence the run did not find, the gate runs the recorded case again:
-
-- if it still fails the same way, it is **known** (another failure shrank ahead of it);
-- if it fails in another way, it **changed**;
-- if it passes, it is **fixed**.
+- if it fails the same way (or only in other known ways), it is **known**;
+- if it fails with a part the baseline does not record, it **CHANGED**;
+- if it passes, it is **FIXED**.
 
 New and changed divergences block a release (exit 1); known and fixed ones do not.
 """
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from tpdp_verify import signature
 from tpdp_verify.errors import UsageError
 
-SCHEMA = 1
+SCHEMA = 2
 SHIPPED = Path(__file__).parent / "baselines"  # baselines the project ships, by name
 
 
@@ -37,14 +38,19 @@ class Known:
 
     property: str
     world_size: int
-    kind: str
+    signature: signature.Signature
     case: dict = field(hash=False)  # argument name -> repr of the shrunk value
     types: tuple = field(default=(), hash=False)  # "module:qualname" of the classes in the case
     summary: str = field(default="", hash=False)  # the failure's first line, for readers
 
     @property
-    def key(self) -> tuple[str, int, str]:
-        return self.property, self.world_size, self.kind
+    def key(self) -> tuple[str, int, signature.Signature]:
+        return self.property, self.world_size, self.signature
+
+    @property
+    def kind(self) -> str:
+        """The signature as a reader says it."""
+        return " + ".join(signature.describe(p) for p in self.signature)
 
     def drawn(self) -> dict:
         """The recorded case, rebuilt from its repr (as the replay script does)."""
@@ -57,18 +63,30 @@ class Known:
             names[qualname.split(".")[0]] = getattr(importlib.import_module(module), qualname.split(".")[0])
         return {k: eval(v, names) for k, v in self.case.items()}  # noqa: S307: the baseline's own reprs
 
+    def to_json(self) -> dict:
+        return {"property": self.property, "world_size": self.world_size, "signature": list(self.signature),
+                "case": self.case, "types": list(self.types), "summary": self.summary}
 
-def _types(drawn: dict) -> tuple[str, ...]:
-    from tpdp_verify.suite import _case_types
 
-    return tuple(sorted(f"{t.__module__}:{t.__qualname__}" for t in _case_types(drawn)))
+def known_parts(entries: list[Known]) -> dict[str, set[str]]:
+    """Property -> every signature part its entries record (at any world size)."""
+    parts: dict[str, set[str]] = {}
+    for k in entries:
+        parts.setdefault(k.property, set()).update(k.signature)
+    return parts
+
+
+def entry(prop: str, world_size: int, sig: signature.Signature, drawn: dict, summary: str) -> Known:
+    from tpdp_verify.suite import case_types
+
+    types = tuple(sorted(f"{t.__module__}:{t.__qualname__}" for t in case_types(drawn)))
+    return Known(prop, world_size, sig, {k: repr(v) for k, v in drawn.items()}, types, summary.splitlines()[0][:200])
 
 
 def entries(outcomes) -> list[Known]:
-    """Every divergence a run found, as baseline entries."""
-    return [Known(o.property, o.world_size, f.kind, {k: repr(v) for k, v in f.drawn.items()},
-                  _types(f.drawn), f.failure.splitlines()[0][:200])
-            for o in outcomes if o.status == "diverges" for f in o.findings if f.drawn is not None]
+    """Every divergence a run found (raised or known), as baseline entries."""
+    return [entry(o.property, o.world_size, f.signature, f.drawn, f.failure)
+            for o in outcomes for f in o.findings if f.drawn is not None and f.signature and f.status != "FIXED"]
 
 
 def write(path: str, outcomes, profile: str, impl: str) -> int:
@@ -76,7 +94,7 @@ def write(path: str, outcomes, profile: str, impl: str) -> int:
 
     known = entries(outcomes)
     doc = {"schema": SCHEMA, "torch": torch.__version__, "profile": profile, "impl": impl,
-           "known": [asdict(k) | {"types": list(k.types)} for k in known]}
+           "known": [k.to_json() for k in known]}
     try:
         Path(path).write_text(json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
@@ -102,12 +120,16 @@ def load(name: str) -> tuple[dict, list[Known]]:
                          f"shipped ({shipped})") from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read the baseline {path}: {exc}") from None
+    if isinstance(doc, dict) and isinstance(doc.get("schema"), int) and doc["schema"] < SCHEMA:
+        raise UsageError(f"{path} is a baseline of schema {doc['schema']}, which keyed a divergence on its "
+                         f"first failed check; regenerate it: tpdp-verify gate --profile {doc.get('profile', 'ci')} "
+                         f"--baseline {path} --update-baseline")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("known"), list):
         raise UsageError(f"{path} is not a tpdp-verify baseline (schema {SCHEMA}); write one with "
                          "--update-baseline")
     try:
-        return doc, [Known(k["property"], k["world_size"], k["kind"], k["case"], tuple(k.get("types", ())),
-                           k.get("summary", "")) for k in doc["known"]]
+        return doc, [Known(k["property"], k["world_size"], signature.of(k["signature"]), k["case"],
+                           tuple(k.get("types", ())), k.get("summary", "")) for k in doc["known"]]
     except (KeyError, TypeError) as exc:
         raise UsageError(f"{path}: an entry lacks {exc}; rewrite it with --update-baseline") from None
 
@@ -125,26 +147,51 @@ class Judgement:
         return bool(self.new or self.changed)
 
 
-def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], str]) -> Judgement:
-    """Sort a run's divergences by the baseline. ``rerun(entry)`` runs a listed case that
-    the run did not find and returns the kind it now raises ("" if it passes)."""
-    found = {k.key: k for k in entries(outcomes)}
-    ran = {(o.property, o.world_size) for o in outcomes}
-    out = Judgement(new=[k for key, k in found.items() if key not in {b.key for b in baseline}])
-    for entry in baseline:
-        if entry.key in found:
-            out.known.append(entry)
-        elif (entry.property, entry.world_size) not in ran:
-            out.not_run.append(entry)
+def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Signature]) -> Judgement:
+    """Sort a run's findings by the baseline, and give each its status. A finding the
+    search raised is NEW; one it counted as known is known. ``rerun(entry)`` runs a listed
+    case that the run did not meet again and returns its signature (() if it passes)."""
+    parts = known_parts(baseline)
+    shown = [(o.property, o.world_size, set(f.signature)) for o in outcomes for f in o.findings]
+    ran = {(o.property, o.world_size): o for o in outcomes}
+    out = Judgement()
+    for o in outcomes:
+        for i, f in enumerate(o.findings):
+            if f.signature and signature.known(f.signature, parts.get(o.property, set())):
+                o.findings[i] = f._replace(status="known")
+            elif f.drawn is not None:
+                o.findings[i] = f._replace(status="NEW")
+                out.new.append(entry(o.property, o.world_size, f.signature, f.drawn, f.failure))
+    for listed in baseline:  # met when a failure of the run shows all of it (and maybe more)
+        if any((p, w) == (listed.property, listed.world_size) and s >= set(listed.signature) for p, w, s in shown):
+            out.known.append(listed)
+            continue
+        outcome = ran.get((listed.property, listed.world_size))
+        if outcome is None:
+            out.not_run.append(listed)
+            continue
+        now = rerun(listed)
+        if not now:
+            out.fixed.append(listed)
+            status = "FIXED"
+        elif signature.known(now, parts.get(listed.property, set())):
+            out.known.append(listed)
+            status = "known"
         else:
-            now = rerun(entry)
-            if now == entry.kind:
-                out.known.append(entry)
-            elif now:
-                out.changed.append((entry, f"now raises {now}"))
-            else:
-                out.fixed.append(entry)
+            out.changed.append((listed, "now " + " + ".join(signature.describe(p) for p in now)))
+            status = "CHANGED"
+        outcome.findings.append(rerun_finding(listed, now, status))
+    for o in outcomes:
+        o.judged()
     return out
+
+
+def rerun_finding(listed: Known, now: signature.Signature, status: str):
+    from tpdp_verify.gate import Finding
+
+    text = f"{listed.summary}\n(its recorded case, run again: " + (
+        "passes)" if not now else " + ".join(signature.describe(p) for p in now) + ")")
+    return Finding(text, "", listed.kind, listed.drawn(), now or listed.signature, status)
 
 
 def report(j: Judgement, header: dict, name: str) -> str:
@@ -175,7 +222,8 @@ def markdown(name: str, impl: str = "torch") -> str:
     out = [f"Recorded on torch {header['torch']} with the `{header['profile']}` profile: "
            f"{len(known)} entries."]
     for k in known:
-        out += ["", f"### `{k.property}` (world size {k.world_size}): `{k.kind}`", "", k.summary, "",
+        out += ["", f"### `{k.property}` (world size {k.world_size}): {k.kind}", "",
+                "Signature: " + ", ".join(f"`{p}`" for p in k.signature), "", k.summary, "",
                 "```python", by_name[k.property].replay_code(k.world_size, impl, k.drawn()).rstrip(), "```"]
     return "\n".join(out) + "\n"
 

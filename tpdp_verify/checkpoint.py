@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpdp_verify import signature
 from tpdp_verify.cases import TrainCase
 from tpdp_verify.execute import MESH_DIMS, parter, run_of, tp_model
 from tpdp_verify.pool import caught
@@ -54,6 +55,7 @@ class Seen:
     """What one rank saw of a checkpoint."""
 
     error: str = ""  # "<stage>: <exception>", if a stage raised
+    raised: str = ""  # its signature part: type and frame (tpdp_verify.signature)
     # "before training" / "after training" -> the state_dict's entries: (key, type, shape)
     entries: dict = field(default_factory=dict)
     # label -> name -> a whole tensor or the rank's Piece of a global one (merged in the parent)
@@ -218,6 +220,7 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
             stage = "training"
             trace = train(case, run, new_optimizer)
             if trace.error:
+                seen.raised = trace.raised
                 raise RuntimeError(trace.error)
             optimizer = optimizers[-1]
             stage = "state_dict() after training"
@@ -254,5 +257,6 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
     # DCP raises CheckpointException, a BaseException: a finding too
     except (Exception, _CheckpointException) as exc:  # a stage that raises is a finding, not a crash of ours
         seen.error = f"{stage}: {_text(exc)}"
-        caught(seen.error)
+        seen.raised = seen.raised or signature.raised(exc)
+        caught(seen.error, seen.raised)
     return seen

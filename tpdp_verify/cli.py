@@ -33,7 +33,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="known divergences (a file, or a shipped name such as torch-2.13.0): exit 1 "
                       "only on new ones or known ones that changed")
     gate.add_argument("--update-baseline", action="store_true",
-                      help="write this run's divergences to --baseline FILE as the known ones")
+                      help="write this run's divergences to --baseline FILE as the known ones (each "
+                      "property searches on past every failure it finds, so this takes longer)")
+    gate.add_argument("--seed", type=int, help="draw other cases than the profile's fixed ones "
+                      "(default: the same cases on every run and machine)")
     _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
                     junit="the run as JUnit XML, a test case a property",
                     markdown="the run as a Markdown table and the failures' reports")
@@ -89,43 +92,63 @@ def _gate(args: argparse.Namespace) -> int:
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
     from tpdp_verify import baseline, outputs
-    from tpdp_verify.gate import exit_code, iter_gate, rerunner, summary
-    from tpdp_verify.properties import ALL
+    from tpdp_verify.gate import InternalError, exit_code, iter_gate, rerunner, summary
+    from tpdp_verify.properties import ALL, exclusions
 
+    known = None
     if args.update_baseline:
         outputs.check_writable({"--baseline": args.baseline})
-    else:
-        known = baseline.load(args.baseline) if args.baseline else None  # a bad file fails now
+    elif args.baseline:
+        known = baseline.load(args.baseline)  # a bad file fails now
 
     profile = profiles.get(args.profile)
     started, start, outcomes = outputs.now(), time.monotonic(), []
+    judged = None
 
     def record(code: int, error: str = "") -> dict:
-        return outputs.gate_record(outcomes, profile, args.impl, args.backend,
-                                   time.monotonic() - start, code, started, error)
+        return outputs.gate_record(outcomes, profile, args.impl, args.backend, time.monotonic() - start,
+                                   code, started, error, baseline=args.baseline if known else "",
+                                   judged=judged, excluded=exclusions.as_records(), seed=args.seed)
 
     try:
         for outcome in iter_gate(ALL, profile, args.impl, args.backend, args.timeout,
-                                 progress=lambda line: print(line, flush=True)):
+                                 progress=lambda line: print(line, flush=True),
+                                 known=baseline.known_parts(known[1]) if known else None,
+                                 learn=args.update_baseline, seed=args.seed):
             outcomes.append(outcome)
+        if known:
+            with rerunner(ALL, args.impl, args.backend, args.timeout) as rerun:
+                judged = baseline.judge(outcomes, known[1], rerun)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
         outputs.write(files, record(EXIT_INFRA, str(exc)))
         raise
+    except InternalError as exc:
+        log = _internal_log(exc.original)
+        outputs.write(files, record(EXIT_INFRA, f"{exc} (traceback in {log})"))
+        print(f"tpdp-verify: internal error: {exc}; the traceback is in {log}", file=sys.stderr)
+        return EXIT_INFRA
     print()
-    print(summary(outcomes, profile, args.impl, time.monotonic() - start))
+    print(summary(outcomes, profile, args.impl, time.monotonic() - start, exclusions.summary_lines()))
     code = exit_code(outcomes)
     if args.update_baseline and code != EXIT_INFRA:
         count = baseline.write(args.baseline, outcomes, profile.name, args.impl)
         print(f"\nwrote {count} known divergences to {args.baseline}")
         code = EXIT_OK
-    elif args.baseline and code != EXIT_INFRA:
-        with rerunner(ALL, args.impl, args.backend, args.timeout) as rerun:
-            judged = baseline.judge(outcomes, known[1], rerun)
+    elif judged is not None:
         print()
         print(baseline.report(judged, known[0], args.baseline))
-        code = EXIT_DIVERGENCE if judged.blocks else EXIT_OK
     outputs.write(files, record(code))  # with divergences too: they are what CI shows
     return code
+
+
+def _internal_log(exc: BaseException) -> str:
+    """Write ``exc``'s traceback to a log file; its path."""
+    import tempfile
+    import traceback
+
+    with tempfile.NamedTemporaryFile("w", prefix="tpdp-verify-internal-", suffix=".log", delete=False) as f:
+        f.write("".join(traceback.format_exception(exc)))
+    return f.name
 
 
 def _mesh(text: str) -> tuple[int, int]:
@@ -206,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tpdp-verify: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # tpdp-verify's own failure: one line, the traceback in a log, never 1
+        print(f"tpdp-verify: internal error: {type(exc).__name__}: {exc}; the traceback is in "
+              f"{_internal_log(exc)}", file=sys.stderr)
+        return EXIT_INFRA
 
 
 def console() -> None:

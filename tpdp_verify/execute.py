@@ -13,6 +13,7 @@ import traceback
 import torch
 from torch.distributed.tensor import DTensor
 
+from tpdp_verify import signature
 from tpdp_verify.cases import TrainCase
 from tpdp_verify.pieces import cut
 from tpdp_verify.pool import caught
@@ -59,8 +60,9 @@ def plan_for(fx, case: TrainCase, tp_mesh) -> dict:
 
 
 def _failed(stage: str, exc: Exception) -> Trace:
-    trace = Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip())
-    caught(trace.error)
+    trace = Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip(),
+                  raised=signature.raised(exc))
+    caught(trace.error, trace.raised)
     return trace
 
 

@@ -8,6 +8,7 @@ case and a script that replays it) or infra (ranks hung or died: no verdict).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import traceback
@@ -21,28 +22,50 @@ from tpdp_verify import impl as impl_mod
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
 from tpdp_verify.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.profiles import Profile
-from tpdp_verify.suite import Property, Stats
+from tpdp_verify import signature
+from tpdp_verify.suite import Property, Stats, finding
+from tpdp_verify.verdict import Divergence
 
 
 class Finding(NamedTuple):
-    """One distinct divergence hypothesis found (it shrinks each kind apart)."""
+    """One distinct failure: a signature, the shrunk case that shows it, and what it is to a baseline."""
 
     failure: str  # the exception's text and what hypothesis reported
     replay: str = ""  # a script that replays the shrunk case
-    kind: str = ""  # the exception's type name: which check departs
+    kind: str = ""  # the signature as a reader says it
     drawn: dict | None = None  # the shrunk case, argument name -> value
+    signature: tuple = ()  # tpdp_verify.signature: every part of what failed
+    status: str = ""  # against a baseline: NEW, CHANGED, known or FIXED; "" without one
+
+    @property
+    def blocks(self) -> bool:
+        return self.status in ("", "NEW", "CHANGED")
 
 
 @dataclass
 class Outcome:
     property: str
     world_size: int
-    status: str  # "pass" | "diverges" | "infra"
+    status: str  # "pass" | "known" (only known failures) | "diverges" | "infra"
     seconds: float
     stats: Stats = field(default_factory=Stats)
     message: str = ""  # why there is no verdict (infra)
     findings: list[Finding] = field(default_factory=list)
     backend: str = ""  # the process group's, as the pool chose it
+    wanted: int = 0  # examples the profile asks this property to draw
+
+    def judged(self) -> None:
+        """The status from the findings' own, once a baseline has judged them."""
+        if self.status in ("pass", "known", "diverges"):
+            blocking = [f for f in self.findings if f.blocks and f.status != "FIXED"]
+            self.status = "diverges" if blocking else "known" if any(f.status == "known" for f in self.findings) \
+                else "pass"
+
+    @property
+    def short(self) -> bool:
+        """The search drew fewer examples than its profile asks (it stopped at a new failure,
+        or its case space ran out)."""
+        return self.status != "infra" and self.stats.drawn < self.wanted
 
 
 REPLAY = "-- replay (save as a file and run it with python):"
@@ -51,36 +74,74 @@ WIDTH = 38  # the longest property name: entry_points_state_dict_like_unsharded
 
 def _failure_text(exc: BaseException, reported: list[str]) -> str:
     lines = "".join(traceback.format_exception_only(exc)).strip()
-    extra = [r for r in reported if r.strip() and r not in lines]
+    # hypothesis's own commentary ("Explanation: these lines were always and only run by
+    # failing test cases", "Falsifying example" blocks) is not part of the finding
+    extra = [r for r in reported if r.strip() and r not in lines and not r.startswith(("Explanation:", "    "))]
     return "\n".join([lines, *extra])
 
 
 def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
-                   progress: Callable[[str], None] | None = None, every: float = 60.0) -> Outcome:
-    """Run one property; with ``progress``, say every ``every`` seconds that it still runs."""
-    stats, reported = Stats(), []
+                   progress: Callable[[str], None] | None = None, every: float = 60.0,
+                   known: set[str] | None = None, learn: bool = False) -> Outcome:
+    """Run one property; with ``progress``, say every ``every`` seconds that it still runs.
+
+    ``known``: the signature parts a baseline records for this property; ``learn``:
+    writing a baseline (see Property.run).
+    """
+    stats, reported, findings = Stats(), [], []
     start = time.monotonic()
-
-    def outcome(status: str, **details) -> Outcome:
-        return Outcome(prop.name, pool.world_size, status, time.monotonic() - start, stats,
-                       backend=pool.backend, **details)
-
     try:
         with with_reporter(reported.append), _heartbeat(prop.name, stats, progress, every):
-            prop.run(pool, impl, profile, stats)
+            prop.run(pool, impl, profile, stats, known, learn)
     except PoolError as exc:
-        return outcome("infra", message=str(exc))
+        return _outcome(prop, pool, profile, "infra", start, stats, message=str(exc))
+    except Divergence as exc:
+        findings = _findings(prop, pool, impl, (exc,), stats, reported)
+    except BaseExceptionGroup as group:
+        if not all(isinstance(e, Divergence) for e in group.exceptions):
+            raise InternalError(prop.name, group) from group
+        findings = _findings(prop, pool, impl, group.exceptions, stats, [])
     except Exception as exc:
-        # hypothesis raises a group when it found distinct bugs: one message and replay each
-        found = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
-        findings = []
-        for e in found:
-            drawn = stats.failures.get(type(e).__name__, stats.failing)
-            findings.append(Finding(_failure_text(e, reported if len(found) == 1 else []),
-                                    prop.replay_code(pool.world_size, impl, drawn) if drawn else "",
-                                    type(e).__name__, drawn))
-        return outcome("diverges", findings=findings)
-    return outcome("pass")
+        raise InternalError(prop.name, exc) from exc
+    findings += [_finding(prop, pool, impl, text, sig, drawn) for sig, (text, drawn) in stats.learned.items()]
+    met = {f.signature for f in findings}  # what only known failures showed: one example each
+    findings += [_finding(prop, pool, impl, "", sig, drawn, "known")
+                 for sig, drawn in stats.known_seen.items() if sig not in met and not learn]
+    status = "diverges" if any(f.status != "known" for f in findings) else "known" if findings else "pass"
+    return _outcome(prop, pool, profile, status, start, stats, findings=findings)
+
+
+def _outcome(prop: Property, pool: RankPool, profile: Profile, status: str, start: float, stats: Stats,
+             **details) -> Outcome:
+    return Outcome(prop.name, pool.world_size, status, time.monotonic() - start, stats, backend=pool.backend,
+                   wanted=profile.max_examples, **details)
+
+
+def _findings(prop: Property, pool: RankPool, impl: str, found, stats: Stats, reported: list[str]
+              ) -> list[Finding]:
+    """A Finding a distinct failure, with the case hypothesis shrank it to (or the cover case)."""
+    out = []
+    for e in found:
+        drawn = stats.failures.get(type(e).__name__, stats.failing)
+        out.append(_finding(prop, pool, impl, _failure_text(e, reported if len(found) == 1 else []),
+                            type(e).signature, drawn))
+    return out
+
+
+def _finding(prop: Property, pool: RankPool, impl: str, text: str, sig: tuple, drawn: dict | None,
+             status: str = "") -> Finding:
+    if status == "known":
+        text = f"known: {' + '.join(signature.describe(p) for p in sig)}"
+    return Finding(text, prop.replay_code(pool.world_size, impl, drawn) if drawn else "",
+                   " + ".join(signature.describe(p) for p in sig), drawn, sig, status)
+
+
+class InternalError(Exception):
+    """tpdp-verify itself failed while running a property: not a finding (exit 3)."""
+
+    def __init__(self, prop: str, exc: BaseException):
+        super().__init__(f"tpdp-verify failed running {prop}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        self.original = exc
 
 
 @contextlib.contextmanager
@@ -114,13 +175,21 @@ def iter_gate(
     timeout: float = 120.0,
     progress: Callable[[str], None] = print,
     every: float = 60.0,
+    known: dict[str, set[str]] | None = None,
+    learn: bool = False,
+    seed: int | None = None,
 ) -> Iterator[Outcome]:
     """Each property's outcome as it comes, so that a run cut short keeps what it found.
 
     ``progress`` gets a line per property with the count done, the failures so far and
     the time since the start, and a line every ``every`` seconds a property runs.
+    ``known``: property -> the signature parts a baseline records (tpdp_verify.baseline);
+    ``learn``: search on past each failure found, to write a baseline; ``seed``: draw
+    other cases than the profile's fixed ones.
     """
     impl_mod.load(impl)  # a bad --impl fails here, in one line, before any rank starts
+    if seed is not None:
+        profile = dataclasses.replace(profile, seed=seed)
     plan = [(ws, [p for p in properties if ws >= p.min_world_size]) for ws in profile.world_sizes]
     total = sum(len(todo) for _, todo in plan)
     done = failed = 0
@@ -132,8 +201,9 @@ def iter_gate(
         with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
-                outcome = check_property(prop, pool, impl, profile, progress, every)
-                done, failed = done + 1, failed + (outcome.status != "pass")
+                parts = None if known is None else known.get(prop.name, set())
+                outcome = check_property(prop, pool, impl, profile, progress, every, parts, learn)
+                done, failed = done + 1, failed + (outcome.status in ("diverges", "infra"))
                 progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
                          f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
                 yield outcome
@@ -141,20 +211,25 @@ def iter_gate(
 
 def run_gate(properties: tuple[Property, ...], profile: Profile, impl: str = "torch",
              backend: str = "auto", timeout: float = 120.0,
-             progress: Callable[[str], None] = print) -> list[Outcome]:
+             progress: Callable[[str], None] = print, **options) -> list[Outcome]:
     """Every outcome of a whole run (see ``iter_gate``)."""
-    return list(iter_gate(properties, profile, impl, backend, timeout, progress))
+    return list(iter_gate(properties, profile, impl, backend, timeout, progress, **options))
+
+
+def _drew(o: Outcome) -> str:
+    known = f", {o.stats.known} known only" if o.stats.known else ""
+    short = f" FEWER THAN {o.wanted}" if o.short else ""
+    return f"{o.stats.drawn:>4} drawn{short}{known}"
 
 
 def _line(o: Outcome) -> str:
-    return (f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} "
-            f"{o.stats.examples:>4} examples ({o.stats.discarded} discarded)  {o.seconds:6.1f} s")
+    return (f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} {_drew(o)}, "
+            f"{o.stats.covered} cover, {o.stats.examples} run ({o.stats.discarded} discarded)  {o.seconds:6.1f} s")
 
 
 def _short_line(o: Outcome) -> str:
-    """``_line`` without the discarded count (the summary has it): progress lines stay short."""
-    return (f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} "
-            f"{o.stats.examples:>4} examples  {o.seconds:6.1f} s")
+    """``_line`` without the run and discarded counts (the summary has them): progress lines stay short."""
+    return f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} {_drew(o)}  {o.seconds:6.1f} s"
 
 
 def exit_code(outcomes: list[Outcome]) -> int:
@@ -164,15 +239,23 @@ def exit_code(outcomes: list[Outcome]) -> int:
     return EXIT_DIVERGENCE if "diverges" in statuses else EXIT_OK
 
 
-def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float) -> str:
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "diverges", "infra")}
+def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float,
+            excluded: list[str] = ()) -> str:
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "known", "diverges", "infra")}
+    short = [o for o in outcomes if o.short]
     out = [
         f"tpdp-verify gate: profile {profile.name}, implementation {impl}, torch {torch.__version__}",
         *(_line(o) for o in outcomes),
-        f"{counts['pass']} passed, {counts['diverges']} diverged, {counts['infra']} infrastructure "
-        f"failures in {seconds:.1f} s ({profile.name} budget {profile.budget:.0f} s"
-        f"{', OVER BUDGET' if seconds > profile.budget else ''})",
+        f"{counts['pass']} passed, {counts['known']} known only, {counts['diverges']} diverged, "
+        f"{counts['infra']} infrastructure failures in {seconds:.1f} s ({profile.name} budget "
+        f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})",
     ]
+    if short:
+        out.append(f"{len(short)} searches drew fewer than {profile.max_examples} examples: "
+                   + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn}"
+                               f"{', ' + o.stats.stopped_because if o.stats.stopped_because else ''})"
+                               for o in short))
+    out += list(excluded)
     for o in outcomes:
         if o.status != "pass":
             out += ["", report(o)]
@@ -180,36 +263,40 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
 
 
 def report(o: Outcome) -> str:
-    """Why a property has no pass: its failed checks, shrunk case and replay script each."""
+    """Why a property has no pass: each finding's status, failed checks, shrunk case and replay."""
     if o.status == "pass":
         return ""
     out = [f"== {o.property} (world size {o.world_size}): {o.status}"]
     if o.message:
         out.append(o.message)
-    for i, (failure, replay, _, _) in enumerate(o.findings):
-        out += ([""] if i else []) + [failure]
-        if replay:
-            out += [REPLAY, replay.rstrip()]
+    for f in (f for f in o.findings if f.status != "known"):
+        out += ["", f"{f.status or 'found'}: {f.kind}", f"signature: {', '.join(f.signature)}", f.failure]
+        if f.replay:
+            out += [REPLAY, f.replay.rstrip()]
+    known = [f.kind for f in o.findings if f.status == "known"]
+    if known:
+        out += ["", f"known ({o.stats.known} examples showed only known failures): " + "; ".join(known)]
     return "\n".join(out)
 
 
 @contextlib.contextmanager
 def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto", timeout: float = 120.0):
     """``rerun(entry)``: a baseline entry's recorded case run once more, outside hypothesis;
-    the kind of divergence it raises, or "" if it passes. Pools start on first use."""
+    the signature of what fails now, () if it passes. Pools start on first use."""
     by_name = {p.name: p for p in properties}
     with contextlib.ExitStack() as stack:
         pools: dict[int, RankPool] = {}
 
-        def rerun(entry) -> str:
+        def rerun(entry) -> tuple:
             if entry.world_size not in pools:
                 pools[entry.world_size] = stack.enter_context(RankPool(entry.world_size, backend, timeout=timeout))
             try:
                 by_name[entry.property].fn(pools[entry.world_size], impl, **entry.drawn())
-            except PoolError:
-                raise
             except Exception as exc:
-                return type(exc).__name__
-            return ""
+                found = finding(exc)
+                if found is None:
+                    raise InternalError(entry.property, exc) from exc
+                return found.signature
+            return ()
 
         yield rerun

@@ -20,7 +20,7 @@ from tpdp_verify.errors import UsageError
 
 # torch and the gate are imported where used: a bad output path fails before they load
 
-SCHEMA = 1  # bumped when a key changes meaning or goes away; new keys keep it
+SCHEMA = 2  # bumped when a key changes meaning or goes away; new keys keep it
 
 
 # -- files
@@ -74,8 +74,13 @@ def _version() -> str:
 
 
 def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float,
-                exit_code: int, started: str, error: str = "") -> dict:
-    """The gate's run as plain data: the header, the counts and one entry per outcome."""
+                exit_code: int, started: str, error: str = "", baseline: str = "", judged=None,
+                excluded: list[dict] = (), seed: int | None = None) -> dict:
+    """The gate's run as plain data: the header, the counts and one entry per outcome.
+
+    With a baseline each finding carries its status (NEW, CHANGED, known, FIXED): the exit
+    code, the JUnit failures and the Markdown table all follow from those statuses.
+    """
     import torch
 
     from tpdp_verify.gate import report
@@ -89,25 +94,35 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "impl": impl,
         "profile": profile.name,
         "max_examples": profile.max_examples,
+        "seed": seed,
         "backend": backend,
         "world_sizes": list(profile.world_sizes),
         "started": started,
         "seconds": round(seconds, 3),
         "exit_code": exit_code,
         "error": error,
-        "counts": {s: sum(o.status == s for o in outcomes) for s in ("pass", "diverges", "infra")},
+        "baseline": _judgement(baseline, judged),
+        "counts": {s: sum(o.status == s for o in outcomes) for s in ("pass", "known", "diverges", "infra")},
+        "not_searched": list(excluded),
         "properties": [
             {
                 "name": o.property,
                 "world_size": o.world_size,
                 "backend": o.backend,
                 "status": o.status,
+                "drawn": o.stats.drawn,
+                "wanted": o.wanted,
+                "drew_fewer": o.short,
+                "stopped_because": o.stats.stopped_because,
+                "covered": o.stats.covered,
+                "known_only": o.stats.known,
                 "examples": o.stats.examples,
                 "passed": o.stats.passed,
                 "discarded": o.stats.discarded,
                 "seconds": round(o.seconds, 3),
                 "message": o.message,
-                "findings": [{"failure": f.failure, "replay": f.replay, "kind": f.kind,
+                "findings": [{"status": f.status or "found", "signature": list(f.signature), "kind": f.kind,
+                              "failure": f.failure, "replay": f.replay,
                               "case": {k: repr(v) for k, v in (f.drawn or {}).items()}}
                              for f in o.findings],
                 "report": report(o),
@@ -117,13 +132,23 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
     }
 
 
+def _judgement(name: str, judged) -> dict | None:
+    if not name or judged is None:
+        return None
+    return {"name": name, "blocks": judged.blocks,
+            **{k: len(getattr(judged, k)) for k in ("new", "changed", "fixed", "known", "not_run")}}
+
+
 def to_json(record: dict) -> str:
     return json.dumps(record, indent=2) + "\n"
 
 
 def to_junit(record: dict) -> str:
-    """One <testsuite> of one <testcase> per property and world size: a divergence is a
-    <failure>, ranks that hung or died an <error>, and so is a run that stopped early."""
+    """One <testsuite> of one <testcase> per property and world size: a blocking divergence
+    (new, changed, or any without a baseline) is a <failure>, ranks that hung or died an
+    <error>, and so is a run that stopped early. A property whose failures a baseline all
+    knows passes, its known findings listed in <system-out>: CI is green exactly when the
+    gate exits 0."""
     props, counts, error = record["properties"], record["counts"], record["error"]
     totals = {"tests": len(props) + bool(error), "failures": counts["diverges"],
               "errors": counts["infra"] + bool(error), "skipped": 0}
@@ -136,15 +161,20 @@ def to_junit(record: dict) -> str:
         ET.SubElement(properties, "property", name=key, value=str(record[key]))
     ET.SubElement(properties, "property", name="world_sizes",
                   value=", ".join(map(str, record["world_sizes"])))
+    if record.get("baseline"):
+        ET.SubElement(properties, "property", name="baseline", value=record["baseline"]["name"])
     for p in props:
         case = ET.SubElement(suite, "testcase", classname="tpdp_verify.properties",
                              name=f"{p['name']}[world_size={p['world_size']}]",
                              time=f"{p['seconds']:.3f}")
-        if p["status"] != "pass":
+        if p["status"] in ("diverges", "infra"):
             tag = "failure" if p["status"] == "diverges" else "error"
-            first = p["findings"][0]["failure"] if p["findings"] else p["message"]
+            blocking = [f for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED")]
+            first = f"{blocking[0]['status']}: {blocking[0]['kind']}" if blocking else p["message"]
             element = ET.SubElement(case, tag, message=_one_line(first), type=p["status"])
             element.text = _xml_text(p["report"])
+        elif p["status"] == "known":
+            ET.SubElement(case, "system-out").text = _xml_text(p["report"])
     if error:
         case = ET.SubElement(suite, "testcase", classname="tpdp_verify.gate", name="run", time="0")
         ET.SubElement(case, "error", message=_one_line(error), type="infra").text = _xml_text(error)
@@ -156,7 +186,7 @@ def to_markdown(record: dict) -> str:
     """A table for people (a CI job summary, a pull request), then each failure's report."""
     c = record["counts"]
     out = [
-        f"# tpdp-verify gate: {c['pass']} passed, {c['diverges']} diverged, "
+        f"# tpdp-verify gate: {c['pass']} passed, {c['known']} known only, {c['diverges']} diverged, "
         f"{c['infra']} infrastructure failures",
         "",
         f"torch {record['torch']}, implementation `{record['impl']}`, profile {record['profile']} "
@@ -167,10 +197,19 @@ def to_markdown(record: dict) -> str:
     ]
     if record["error"]:
         out += [f"**The run stopped early**: {_one_line(record['error'])}", ""]
-    out += ["| property | world size | result | examples | seconds |",
-            "| --- | ---: | --- | ---: | ---: |"]
-    out += [f"| {p['name']} | {p['world_size']} | {p['status'].upper()} | {p['examples']} "
-            f"| {p['seconds']:.1f} |" for p in record["properties"]]
+    b = record.get("baseline")
+    if b:
+        out += [f"Against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
+                f"{b['known']} known: {'blocks' if b['blocks'] else 'passes'}.", ""]
+    out += ["| property | world size | result | drawn | known only | findings | seconds |",
+            "| --- | ---: | --- | ---: | ---: | --- | ---: |"]
+    out += [f"| {p['name']} | {p['world_size']} | {p['status'].upper()} | {p['drawn']}"
+            f"{' (fewer than ' + str(p['wanted']) + ')' if p['drew_fewer'] else ''} | {p['known_only']} | "
+            + ", ".join(f"{f['status']}: {f['kind']}" for f in p["findings"]).replace("|", "\\|")
+            + f" | {p['seconds']:.1f} |" for p in record["properties"]]
+    if record.get("not_searched"):
+        out += ["", "Not searched:", ""] + [f"- {x['name']} ({', '.join(x['properties'])}): {x['reason']} "
+                                          f"([why]({x['doc']}))" for x in record["not_searched"]]
     for p in record["properties"]:
         if p["report"]:
             out += ["", f"## {p['name']} (world size {p['world_size']}): {p['status']}", "",

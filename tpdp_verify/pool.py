@@ -51,6 +51,7 @@ BASELINE_CALL = 20  # a generation's size is taken after this call: imports and 
 _MESHES: dict = {}
 _DEVICE_TYPE = "cpu"
 _CAUGHT = ""  # what the current call caught and returns in its result (see caught)
+CAUGHT_PART = "signature part: "  # how a caught exception's signature part travels in its text
 
 
 def device_type() -> str:
@@ -79,13 +80,14 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
     return mesh
 
 
-def caught(what: str) -> None:
-    """Say, inside a rank, that this call caught an exception (``what``) and returns it in
-    its result, as a finding. Should other ranks then not answer, they are presumably
-    waiting in a collective for this one: the pool gives them the error grace and restarts
-    them, as when a rank raises, instead of waiting for the timeout (RankFailed, not a hang)."""
+def caught(what: str, part: str = "") -> None:
+    """Say, inside a rank, that this call caught an exception (``what``, and its signature
+    part: tpdp_verify.signature) and returns it in its result, as a finding. Should other
+    ranks then not answer, they are presumably waiting in a collective for this one: the
+    pool gives them the error grace and restarts them, as when a rank raises, instead of
+    waiting for the timeout (RankFailed, not a hang)."""
     global _CAUGHT
-    _CAUGHT = what
+    _CAUGHT = what + (f"\n{CAUGHT_PART}{part}" if part else "")
 
 
 def _choose_backend(backend: str, world_size: int) -> str:

@@ -22,6 +22,7 @@ class Profile:
     world_sizes: tuple[int, ...]
     shrink: bool = True  # False: stop at the first failing example (how fast is a fault found)
     budget: float = 0.0  # seconds a gate run should take on a 2-core machine, pool start included
+    seed: int | None = None  # None: each property's own fixed seed (derandomized); else this one
 
     @property
     def settings(self) -> settings:

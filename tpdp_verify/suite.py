@@ -8,31 +8,96 @@ so that a property whose strategy was filtered away cannot pass silently.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hypothesis import example, given
+import hypothesis
+from hypothesis import given
 from hypothesis.errors import UnsatisfiedAssumption
+from hypothesis.statistics import collector
 
-from tpdp_verify.errors import PoolError
+from tpdp_verify import signature
+from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.profiles import Profile
+from tpdp_verify.verdict import Divergence, divergence
 
 
 @dataclass
 class Stats:
-    examples: int = 0  # examples hypothesis ran, shrinking included
+    examples: int = 0  # calls of the property: cover cases, drawn ones and shrinking
     passed: int = 0
     discarded: int = 0  # rejected by assume() or a filter inside the example
+    drawn: int = 0  # examples hypothesis generated (its generate phase; shrinking apart)
+    covered: int = 0  # cover cases run, in their own phase before the search
+    known: int = 0  # examples whose every failure a baseline knows: counted, not raised
+    known_seen: dict = field(default_factory=dict)  # signature -> the first example that showed it
+    stopped_because: str = ""  # why hypothesis stopped generating, in its words
     failing: dict | None = None  # drawn arguments of the last failing example (the shrunk one)
     # the same, a kind of failure (exception type) each: hypothesis shrinks distinct bugs apart
     failures: dict = field(default_factory=dict)
+    cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
+    learned: dict = field(default_factory=dict)  # writing a baseline: signature -> (text, drawn)
 
 
-class _PoolBroke(BaseException):
-    """Carries a PoolError out of hypothesis, which must not shrink on a hang or crash."""
+class _Escape(BaseException):
+    """Carries what is not a finding (the harness failing) out of hypothesis, unshrunk."""
+
+
+# The parts a baseline records for the property now running (None: no baseline).
+_KNOWN: contextvars.ContextVar[set | None] = contextvars.ContextVar("tpdp_known", default=None)
+
+
+def known_now(sig: signature.Signature) -> bool:
+    """Whether the baseline of the property now running knows every part of ``sig``."""
+    known = _KNOWN.get()
+    return known is not None and signature.known(sig, known)
+
+
+def worth_explaining(sig: signature.Signature) -> bool:
+    """Whether a failure's report reaches a reader, so that it is worth two more runs on
+    the ranks (naming the first module, running the case without TP): not for a failure a
+    baseline knows, nor during shrinking; yes outside hypothesis (a replay, a cover case)
+    and in the final replay of an example hypothesis reports."""
+    from hypothesis.control import current_build_context, currently_in_test_context
+
+    if known_now(sig):
+        return False
+    return not currently_in_test_context() or current_build_context().is_final
+
+
+def finding(exc: BaseException) -> Divergence | None:
+    """``exc`` as a finding about the implementation under test, or None if it is the
+    harness's own failure. A rank that died or hung while the case ran is a finding with
+    a signature of its own; so is an exception that escaped a rank from the code under test."""
+    if isinstance(exc, Divergence):
+        return exc
+    if isinstance(exc, PoolError) and "start-up" in str(exc):
+        return None  # ranks that would not start: the harness, not the case
+    if isinstance(exc, RankDied):
+        return divergence((signature.crash(getattr(exc, "signal", "")),))(str(exc))
+    if isinstance(exc, RankTimeout):
+        stacks = getattr(exc, "stacks", {}) or {}
+        text = "\n".join([str(exc)] + [f"--- rank {r} stack ---\n{t.rstrip()}" for r, t in sorted(stacks.items())])
+        return divergence((signature.HANG,))(text)
+    if isinstance(exc, RankFailed):
+        parts = {_part(tb) for tb in exc.tracebacks.values()}
+        if all(" at " in p for p in parts):  # raised by the code under test, not by ours
+            # ranks left waiting for the ones that raised: they hang with the case
+            return divergence(signature.of(parts | ({signature.HANG} if exc.stuck else set())))(str(exc))
+    return None
+
+
+def _part(traceback_text: str) -> str:
+    """The signature part of a rank's failure: carried with an exception the rank caught
+    (pool.caught), else read from the traceback it raised with."""
+    from tpdp_verify.pool import CAUGHT_PART
+
+    if CAUGHT_PART in traceback_text:
+        return traceback_text.rsplit(CAUGHT_PART, 1)[1].strip()
+    return signature.raised_from_text(traceback_text)
 
 
 @dataclass(frozen=True)
@@ -41,8 +106,9 @@ class Property:
     fn: Callable
     strategies: dict = field(repr=False)
     min_world_size: int = 1
-    # (world size's strategies) -> explicit examples run before any drawn one: cases a
-    # profile must reach whatever hypothesis draws (the simplest case of every zoo model)
+    # (world size's strategies) -> cases run in a phase of their own before the search:
+    # cases a profile must reach whatever hypothesis draws (the simplest case of every
+    # zoo model). Their failures are findings; they never stop the search.
     cover: Callable[[dict], list[dict]] | None = field(default=None, repr=False)
 
     @property
@@ -53,13 +119,21 @@ class Property:
         """The same property over other strategies, e.g. a narrower case space."""
         return dataclasses.replace(self, strategies={**self.strategies, **strategies})
 
-    def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None) -> Stats:
-        """Run under ``profile`` on ``pool``; raise what hypothesis raises, after shrinking.
+    def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None,
+            known: set[str] | None = None, learn: bool = False) -> Stats:
+        """Run under ``profile`` on ``pool``; raise the failures found, after shrinking.
 
-        ``impl`` names the implementation under test (see tpdp_verify.impl); ``stats``,
-        if given, is filled in as the run goes, so it is there even when the run raises.
+        ``impl`` names the implementation under test (see tpdp_verify.impl). ``known``,
+        the signature parts a baseline records for this property: an example whose every
+        failure is known is counted (``stats.known``) and the search goes on; only new
+        failures are raised, shrunk and replayed. ``learn`` (writing a baseline): a new
+        failure is added to ``known`` and kept with its case in ``stats.learned``, and the
+        search goes on, so that one search meets every failure it can; the cases are the
+        first that showed each failure, not shrunk. ``stats``, if given, is filled in as the
+        run goes, so it is there even when the run raises.
         """
         stats = Stats() if stats is None else stats
+        known = set() if learn and known is None else known
 
         @functools.wraps(self.fn)  # hypothesis seeds and names the test from the property
         def run_one(*args, **kwargs):
@@ -69,40 +143,87 @@ class Property:
             except UnsatisfiedAssumption:
                 stats.discarded += 1
                 raise
-            except PoolError as exc:
-                raise _PoolBroke(exc) from exc
-            except BaseException:
-                stats.failing = {k: v for k, v in kwargs.items() if k in self.strategies}
-                stats.failures[type(sys.exc_info()[1]).__name__] = stats.failing
-                raise
+            except BaseException as exc:
+                found = finding(exc) if isinstance(exc, Exception) else None
+                if found is None:
+                    raise _Escape(exc) from exc
+                drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
+                if known is not None and signature.known(found.signature, known):
+                    stats.known += 1
+                    stats.known_seen.setdefault(found.signature, drawn)
+                    return
+                if learn:
+                    known.update(found.signature)
+                    stats.learned[found.signature] = (str(found), drawn)
+                    return
+                stats.failing = stats.failures[type(found).__name__] = drawn
+                if found is exc:
+                    raise
+                raise found from exc
             stats.passed += 1
 
         strategies = {k: s(pool.world_size) if callable(s) else s for k, s in self.strategies.items()}
-        test = given(**strategies)(run_one)
-        for covered in self.cover(strategies) if self.cover else ():
-            test = example(**covered)(test)
-        test = profile.settings(test)
+        token = _KNOWN.set(known)
         try:
-            test(pool, impl)
-        except _PoolBroke as broke:
-            raise broke.args[0] from None
-        except BaseExceptionGroup as group:  # distinct failures, one of them a hang or crash
-            broke = next((e for e in group.exceptions if isinstance(e, _PoolBroke)), None)
-            if broke is not None:
-                raise broke.args[0] from None
-            raise
-        if stats.passed == 0:
+            self._cover(run_one, strategies, pool, impl, stats)
+            self._search(run_one, strategies, pool, impl, profile, stats)
+        except _Escape as escape:
+            raise escape.args[0] from None
+        except BaseExceptionGroup as group:  # distinct failures, one of them the harness's
+            escape = next((e for e in group.exceptions if isinstance(e, _Escape)), None)
+            if escape is not None:
+                raise escape.args[0] from None
+            raise self._with_cover(group, stats) from None
+        except Divergence as one:
+            raise self._with_cover(one, stats) from None
+        finally:
+            _KNOWN.reset(token)
+        if stats.cover_failures:
+            raise self._with_cover(None, stats)
+        if stats.passed + stats.known == 0:
             raise AssertionError(
-                f"property {self.name} ran no passing example ({stats}); its strategy "
+                f"property {self.name} ran no example it could check ({stats}); its strategy "
                 "never produced a case it could check"
             )
         return stats
+
+    def _cover(self, run_one, strategies: dict, pool, impl: str, stats: Stats) -> None:
+        """The cover phase: each case once, outside hypothesis; a failure is kept, not raised."""
+        for covered in self.cover(strategies) if self.cover else ():
+            stats.covered += 1
+            try:
+                run_one(pool, impl, **covered)
+            except Divergence as found:
+                stats.cover_failures.append((found, covered))
+
+    def _search(self, run_one, strategies: dict, pool, impl: str, profile: Profile, stats: Stats) -> None:
+        def note(statistics: dict) -> None:
+            cases = statistics.get("generate-phase", {}).get("test-cases", [])
+            stats.drawn = sum(c["status"] in ("valid", "interesting") for c in cases)
+            stats.stopped_because = statistics.get("stopped-because", "")
+
+        test = profile.settings(given(**strategies)(run_one))
+        if profile.seed is not None:
+            test = hypothesis.seed(profile.seed)(test)
+        with collector.with_value(note):
+            test(pool, impl)
+
+    @staticmethod
+    def _with_cover(raised: BaseException | None, stats: Stats) -> BaseException:
+        """What the search raised, with the cover phase's failures of other signatures."""
+        found = list(raised.exceptions if isinstance(raised, BaseExceptionGroup) else [raised] if raised else [])
+        seen = {type(e).signature for e in found}
+        for failure, _ in stats.cover_failures:
+            if type(failure).signature not in seen:
+                seen.add(type(failure).signature)
+                found.append(failure)
+        return found[0] if len(found) == 1 else BaseExceptionGroup("distinct failures", found)
 
     def replay_code(self, world_size: int, impl: str, drawn: dict) -> str:
         """A script that runs this property once on ``drawn``, outside hypothesis."""
         args = "".join(f", {k}={v!r}" for k, v in drawn.items())
         imports = "".join(f"from {t.__module__} import {t.__qualname__}\n"
-                          for t in sorted(_case_types(drawn), key=lambda t: t.__qualname__))
+                          for t in sorted(case_types(drawn), key=lambda t: t.__qualname__))
         return (
             "import torch\n"
             "from torch.distributed.tensor import Replicate, Shard\n"
@@ -114,15 +235,15 @@ class Property:
         )
 
 
-def _case_types(value) -> set[type]:
+def case_types(value) -> set[type]:
     """The project's dataclasses a drawn value is made of, nested ones included."""
     if dataclasses.is_dataclass(value):
         fields = (getattr(value, f.name) for f in dataclasses.fields(value))
-        return {type(value)}.union(*map(_case_types, fields))
+        return {type(value)}.union(*map(case_types, fields))
     if isinstance(value, (tuple, list)):
-        return set().union(*map(_case_types, value))
+        return set().union(*map(case_types, value))
     if isinstance(value, dict):
-        return set().union(*map(_case_types, value.values()))
+        return set().union(*map(case_types, value.values()))
     return set()
 
 

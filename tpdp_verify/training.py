@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tpdp_verify import signature
 from tpdp_verify.cases import TrainCase
 from tpdp_verify.fixtures.zoo import ZOO, Fixture
 from tpdp_verify.pool import caught
@@ -37,6 +38,7 @@ class Trace:
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
     error: str = ""  # what the run raised, if it raised
     raised_in: str = ""  # the innermost module whose forward raised it, if one did
+    raised: str = ""  # its signature part: type and frame (tpdp_verify.signature)
     registry: list[str] = field(default_factory=list)  # named_parameters() of the model after training
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
 
@@ -221,7 +223,8 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         trace.raised_in = running[-1] or "<the whole model>" if running else ""
         where = f"in the forward of {trace.raised_in}: " if running else ""
         trace.error = where + "".join(traceback.format_exception_only(exc)).strip()
-        caught(trace.error)
+        trace.raised = signature.raised(exc)
+        caught(trace.error, trace.raised)
     return trace
 
 

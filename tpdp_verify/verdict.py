@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpdp_verify import signature
 from tpdp_verify.cases import TrainCase
 from tpdp_verify.compare import Check
 from tpdp_verify.pieces import merge
@@ -23,23 +24,30 @@ from tpdp_verify.training import Trace
 class Divergence(AssertionError):
     """TP+DP departs from an oracle.
 
-    Each kind of departure raises a subclass of its own: hypothesis tells bugs apart by the
-    exception's type and where it is raised, so distinct departures are each shrunk and
-    reported instead of the simplest one hiding the rest.
+    Each signature (tpdp_verify.signature: everything that failed) raises a subclass of
+    its own: hypothesis tells bugs apart by the exception's type, so distinct departures
+    are each shrunk and reported instead of the simplest one hiding the rest, and a
+    baseline knows a failure only when it knows every part of it.
     """
 
-    kind = "departs from the oracle"
+    signature: signature.Signature = ()
+    kinds: tuple[str, ...] = ()  # each part of the signature as a reader says it
+    kind = "departs from the oracle"  # the same, in one line
 
 
-_KINDS: dict[str, type[Divergence]] = {}
+_KINDS: dict[signature.Signature, type[Divergence]] = {}
 
 
-def divergence(kind: str) -> type[Divergence]:
-    """The Divergence subclass for ``kind``, named after it: "every rank trains" -> EveryRankTrains."""
-    if kind not in _KINDS:
-        name = "".join(w.capitalize() for w in re.findall(r"[A-Za-z0-9]+", kind))
-        _KINDS[kind] = type(name, (Divergence,), {"kind": kind, "__module__": __name__})
-    return _KINDS[kind]
+def divergence(parts: signature.Signature) -> type[Divergence]:
+    """The Divergence subclass for a signature, named after its parts:
+    ("check:every-rank-trains", "value:gradient") -> EveryRankTrains+GradientBeyondItsBound."""
+    parts = signature.of(parts)
+    if parts not in _KINDS:
+        name = "+".join(signature.name(p) for p in parts) or "Diverges"
+        kinds = tuple(signature.describe(p) for p in parts)
+        _KINDS[parts] = type(name, (Divergence,), {"signature": parts, "kinds": kinds, "kind": " + ".join(kinds),
+                                                   "__module__": __name__})
+    return _KINDS[parts]
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class Verdict:
     against: str = "one device"
     plain_ddp: str = ""  # on a departure: how the same DP entry point without TP fares
     unobserved: str = ""  # what was not compared, and why
+    accumulate: int = 1  # microbatches a step: orders outputs among the steps' values
 
     @property
     def failures(self) -> list:
@@ -70,16 +79,22 @@ class Verdict:
         return not self.failures
 
     @property
+    def signature(self) -> signature.Signature:
+        """Every failed check, and the kind of value that departs first (the rest follow
+        from it: a gradient that departs moves the parameters, then the outputs)."""
+        parts = [c.signature_part for c in self.checks if not c.ok]
+        bad = [r for r in self.rows if not r.err.ok]
+        if bad:
+            parts.append(signature.value(min(bad, key=lambda r: _order(r, self.accumulate)).what))
+        return signature.of(parts)
+
+    @property
     def kind(self) -> str:
-        """What departs first: the first failed check, else the first kind of value."""
-        for c in self.checks:
-            if not c.ok:
-                return c.name
-        return next(f"{r.what} beyond its bound" for r in self.rows if not r.err.ok)
+        return divergence(self.signature).kind
 
     def raise_if_failed(self) -> None:
         if not self.ok:
-            raise divergence(self.kind)(self.report())
+            raise divergence(self.signature)(self.report())
 
     def report(self, limit: int = 20) -> str:
         bad_checks = list({c.detail: c for c in self.checks if not c.ok}.values())  # one exception, once
@@ -102,6 +117,17 @@ class Verdict:
             if len(bad_rows) > limit:
                 lines.append(f"  ... and {len(bad_rows) - limit} more")
         return "\n".join(lines)
+
+
+# Within an optimizer step, what a departure upstream moves: the forward's outputs and
+# buffers, the loss, the gradients, then the parameters and the optimizer's state.
+_STAGE = {"output": 0, "buffer": 1, "loss": 2, "gradient": 3, "parameter": 4, "optimizer state": 5}
+
+
+def _order(row: Row, accumulate: int) -> tuple[int, int]:
+    """When a value is made: (optimizer step, stage); outputs and losses count microbatches."""
+    step = (row.step - 1) // accumulate + 1 if row.what in ("output", "loss") else row.step
+    return step, _STAGE.get(row.what, len(_STAGE))
 
 
 # --------------------------------------------------------------------------- assembling
@@ -140,8 +166,10 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     outputs and losses agree too, and the dp groups' outputs stack to the global batch.
     """
     errors = {t.error for t in traces}
-    checks = [Check("every rank trains without an exception", errors == {""},
-                    "; ".join(sorted(e for e in errors if e)))]
+    detail = "; ".join(sorted(e for e in errors if e))
+    checks = [Check("every rank trains without an exception", False, detail, part)
+              for part in sorted({t.raised for t in traces if t.error})] or \
+             [Check("every rank trains without an exception", True)]
     if errors != {""}:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
     whole = Trace(trainable=traces[0].trainable, activations=traces[0].activations,
@@ -207,9 +235,9 @@ def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
     """Compare a global trace with a baseline in the case's dtype and the float64 shadow."""
     dtype = case.torch_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
-                if observed.state_unobserved else "")
+                if observed.state_unobserved else "", accumulate=case.accumulate)
     if observed.error:
-        v.checks.append(Check("trains without an exception", False, observed.error))
+        v.checks.append(Check("trains without an exception", False, observed.error, observed.raised))
         v.first_module = observed.raised_in or None
         return v
     frozen = sorted(set(shadow.params[0]) - set(shadow.trainable))

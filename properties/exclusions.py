@@ -1,0 +1,214 @@
+"""Regions of the case space that no property searches, each declared once, with its reason.
+
+A property's strategy leaves a region out when a case there would give no verdict (a hang,
+a crash that aborts a rank), would only test a rule of the entry point's own contract that
+holds with or without TP, or would check nothing. Each ``Exclusion`` says which properties
+leave it out, why, where the docs say so, and ``test``: a predicate over the drawn case
+that is true exactly for the cases left out. The strategies build their filters and
+choices from the data here (``properties/training.py``, ``properties/checkpoint.py``,
+``properties/registry.py``, ``properties/fsdp_extension.py``), and
+``tests/test_exclusions.py`` checks that each region exists in the unfiltered space and
+that the property's strategy never draws into it; the gate lists them (``summary_lines``).
+
+Not listed: a split of one space between two properties that run the same checks
+(``SOUND`` and the ``entry_points_*`` properties): the other property searches those cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tpdp_verify.cases import DDP_ENTRIES
+
+# --------------------------------------------------------------------------- the data
+
+
+def empty_shard(n: int, tp: int) -> bool:
+    """Whether torch.chunk's split of ``n`` rows over ``tp`` ranks (ceil(n / tp) each)
+    leaves some rank no row."""
+    return -(-n // tp) * (tp - 1) >= n
+
+
+def empty_width(size, tp: int) -> bool:
+    """Whether a width TP shards in every zoo model (dim, hidden) leaves a tp rank no row."""
+    return any(empty_shard(n, tp) for n in (size.dim, size.hidden))
+
+
+# (entry, when the optimizer is built) pairs an entry point's own contract rules out.
+FSDP_BEFORE_WRAP = frozenset({("fsdp1", "before_wrap"), ("fully_shard", "before_wrap")})
+FSDP2_AFTER_FORWARD = frozenset({("fully_shard", "after_forward")})
+OUTSIDE_CONTRACT = FSDP_BEFORE_WRAP | FSDP2_AFTER_FORWARD
+
+
+def needs_find_unused(model: str, static_graph: bool) -> bool:
+    """DDP's contract: a parameter that gets no gradient (the ``unused`` model's spare
+    branch) needs find_unused_parameters or a static graph."""
+    return model == "unused" and not static_graph
+
+
+# The zoo models whose vocab TP shards (an embedding, a vocab-sharded head).
+VOCAB_MODELS = ("llama_lm", "tied")
+
+# Checkpoints draw the optimizer built after wrapping and no static graph only.
+CHECKPOINT_BUILT = ("after_wrap",)
+CHECKPOINT_STATIC_GRAPH = (False,)
+
+# The zoo models FSDP1 trains with TP at all (tests/test_training.py).
+FSDP1_MODELS = ("mlp", "nested", "llama", "llama_lm", "uneven", "buffers")
+
+
+def uneven(case) -> bool:
+    """Some width TP may shard (dim, hidden, vocab) does not divide by tp."""
+    return any(n % case.tp for n in (case.size.dim, case.size.hidden, case.size.vocab))
+
+
+# chunk_tensor is drawn on (dp, tp) root meshes only.
+CHUNK_TENSOR_MESH_DIMS = (2,)
+
+
+def _no_parameters(case) -> bool:
+    from tpdp_verify.properties.modules import count_params
+
+    return count_params(case) == 0
+
+
+# --------------------------------------------------------------------------- the declarations
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A region of the case space the properties ``applies_to`` never draw."""
+
+    name: str
+    applies_to: tuple[str, ...]  # property names
+    reason: str
+    doc: str  # "docs/<file>.md#<anchor>"
+    test: Callable[[object], bool] = field(repr=False, compare=False)  # true: the drawn case is left out
+
+
+TRAINING = ("trains_like_one_device", "trains_like_plain_ddp", "entry_points_train_like_one_device")
+CHECKPOINTS = ("state_dict_like_unsharded", "entry_points_state_dict_like_unsharded",
+               "checkpoint_resumes", "entry_points_checkpoint_resume")
+# The checkpoint properties that draw FSDP (entry_points_state_dict_like_unsharded draws replicate only).
+FSDP_CHECKPOINTS = ("state_dict_like_unsharded", "checkpoint_resumes", "entry_points_checkpoint_resume")
+
+FSDP_OPTIMIZER_BEFORE_WRAP = Exclusion(
+    "fsdp_optimizer_before_wrap", TRAINING,
+    "an optimizer built before FSDP1 or FSDP2 wraps: both replace the parameters when they wrap, "
+    "and both versions' docs say to build the optimizer after wrapping (with or without TP)",
+    "docs/properties.md#trains_like_one_device",
+    lambda case: (case.entry, case.built) in FSDP_BEFORE_WRAP)
+
+FSDP2_OPTIMIZER_AFTER_FORWARD = Exclusion(
+    "fsdp2_optimizer_after_forward", TRAINING,
+    "an optimizer built after a first forward through FSDP2: the root keeps its parameters "
+    "unsharded after a forward, so the optimizer would hold those; plain FSDP2 does the same",
+    "docs/properties.md#trains_like_one_device",
+    lambda case: (case.entry, case.built) in FSDP2_AFTER_FORWARD)
+
+DDP_UNUSED_WITHOUT_FIND_UNUSED = Exclusion(
+    "ddp_unused_without_find_unused", TRAINING + CHECKPOINTS,
+    "DDP on the `unused` model without find_unused_parameters or a static graph: DDP requires "
+    "one of them for a parameter that gets no gradient, with or without TP; a case there "
+    "only tests DDP's error",
+    "docs/properties.md#trains_like_one_device",
+    lambda case: (case.entry in DDP_ENTRIES and needs_find_unused(case.model, case.ddp.static_graph)
+                  and not case.ddp.find_unused_parameters))
+
+FSDP_EMPTY_SHARD = Exclusion(
+    "fsdp_empty_shard", TRAINING + FSDP_CHECKPOINTS,
+    "FSDP1 or FSDP2 with a dim or hidden width that leaves a tp rank an empty shard: FSDP2 "
+    "hangs (ranks holding rows wait in a collective the others never enter) and FSDP1 cannot "
+    "write back; a hang gives no verdict and cannot be shrunk",
+    "docs/properties.md#fsdp1-findings-behind-the-property",
+    lambda case: case.entry not in DDP_ENTRIES and empty_width(case.size, case.tp))
+
+VOCAB_EMPTY_SHARD = Exclusion(
+    "vocab_empty_shard", TRAINING + CHECKPOINTS,
+    "a vocab that leaves a tp rank no rows (llama_lm, tied; fixtures/zoo.py): an embedding or a "
+    "loss_parallel cross entropy on that rank raises alone while the others wait in a "
+    "collective: a hang, not a divergence",
+    "docs/properties.md#trains_like_one_device",
+    lambda case: case.model in VOCAB_MODELS and empty_shard(case.size.vocab, case.tp))
+
+CHECKPOINT_OPTIMIZER_TIMING = Exclusion(
+    "checkpoint_optimizer_timing", CHECKPOINTS,
+    "checkpoints of an optimizer built before wrapping or after a first forward: its timing is "
+    "the training properties' matter, and the resumed model builds its own after wrapping",
+    "docs/properties.md#checkpoints",
+    lambda case: case.built not in CHECKPOINT_BUILT)
+
+CHECKPOINT_WITH_STATIC_GRAPH = Exclusion(
+    "checkpoint_static_graph", CHECKPOINTS,
+    "checkpoints of DDP with static_graph: DDP's static graph with no_sync crashes, "
+    "without TP too (DDP's own)",
+    "docs/properties.md#checkpoints",
+    lambda case: case.ddp.static_graph not in CHECKPOINT_STATIC_GRAPH)
+
+FSDP1_CHECKPOINT_ONE_DP_RANK = Exclusion(
+    "fsdp1_checkpoint_one_dp_rank", FSDP_CHECKPOINTS,
+    "FSDP1 checkpoints on a mesh with dp 1: FSDP1 with TP trains only with dp > 1 "
+    "(it cannot write back, e.g. a sequence-parallel block on (1, 2)); training's finding, "
+    "nothing to checkpoint",
+    "docs/properties.md#fsdp1-findings-behind-the-property",
+    lambda case: case.entry == "fsdp1" and case.dp < 2)
+
+FSDP1_CHECKPOINT_ACCUMULATE = Exclusion(
+    "fsdp1_checkpoint_accumulate", FSDP_CHECKPOINTS,
+    "FSDP1 checkpoints with more than one microbatch a step: TP + FSDP1 cannot accumulate "
+    "under no_sync (it raises, or hangs on some layouts); training's finding, nothing to checkpoint",
+    "docs/properties.md#fsdp1-findings-behind-the-property",
+    lambda case: case.entry == "fsdp1" and case.accumulate != 1)
+
+FSDP1_CHECKPOINT_MODELS = Exclusion(
+    "fsdp1_checkpoint_models", FSDP_CHECKPOINTS,
+    "FSDP1 checkpoints of the tied, frozen, unused and llama_sp models: FSDP1 with TP does not "
+    "train them (tied weights get wrong gradients, a frozen layer or an unused branch hangs or "
+    "trains, a sequence-parallel block cannot write back); training's findings",
+    "docs/properties.md#fsdp1-findings-behind-the-property",
+    lambda case: case.entry == "fsdp1" and case.model not in FSDP1_MODELS)
+
+FSDP1_CHECKPOINT_UNEVEN = Exclusion(
+    "fsdp1_checkpoint_uneven", FSDP_CHECKPOINTS,
+    "FSDP1 checkpoints with a TP-shardable width (dim, hidden, vocab) not divisible by tp: "
+    "FSDP1's state dict of an unevenly sharded TP model aborts a rank (SIGABRT in gloo), which "
+    "gives no verdict to shrink; chunk_tensor_metadata finds the cause (uneven pieces overlap)",
+    "docs/properties.md#checkpoints",
+    lambda case: case.entry == "fsdp1" and uneven(case))
+
+TREES_WITHOUT_PARAMETERS = Exclusion(
+    "trees_without_parameters", ("paths_resolve", "ignored_params_untouched"),
+    "module trees with no parameter: no name to resolve, no slot to replace and nothing to "
+    "ignore (registry_preserved draws them)",
+    "docs/properties.md#paths_resolve",
+    _no_parameters)
+
+CHUNK_TENSOR_HSDP = Exclusion(
+    "chunk_tensor_hsdp", ("chunk_tensor_metadata",),
+    "chunk_tensor on a 3-D (HSDP) root mesh: FSDP1's sharded state dict passes a DTensor on "
+    "the 1-D tp mesh with the dp group, and torch's chunk_tensor states it handles 1-D meshes only",
+    "docs/properties.md#fsdp-extension-dtensorextensions",
+    lambda case: len(case.mesh_shape) not in CHUNK_TENSOR_MESH_DIMS)
+
+EXCLUSIONS = (
+    FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
+    FSDP_EMPTY_SHARD, VOCAB_EMPTY_SHARD, CHECKPOINT_OPTIMIZER_TIMING, CHECKPOINT_WITH_STATIC_GRAPH,
+    FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE, FSDP1_CHECKPOINT_MODELS,
+    FSDP1_CHECKPOINT_UNEVEN, TREES_WITHOUT_PARAMETERS, CHUNK_TENSOR_HSDP,
+)
+
+# What checkpoint_cases keeps of FSDP1: training works, so there is something to checkpoint.
+FSDP1_UNTRAINABLE = (FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE, FSDP1_CHECKPOINT_MODELS,
+                     FSDP1_CHECKPOINT_UNEVEN)
+
+
+def summary_lines() -> list[str]:
+    """One line an exclusion, for the gate's report."""
+    return [f"not searched: {x.name} ({', '.join(x.applies_to)}): {x.reason} [{x.doc}]" for x in EXCLUSIONS]
+
+
+def as_records() -> list[dict]:
+    """The exclusions as plain data (JSON reports)."""
+    return [{"name": x.name, "properties": list(x.applies_to), "reason": x.reason, "doc": x.doc}
+            for x in EXCLUSIONS]

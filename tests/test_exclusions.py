@@ -1,0 +1,126 @@
+"""The declared exclusions (properties/exclusions.py): each names real properties and a real
+doc section, says why, and is live: the unfiltered space reaches cases its predicate
+matches, and the properties it applies to never draw one."""
+
+import re
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import strategies as st
+
+from tpdp_verify.cases import BUILT
+from tpdp_verify.fixtures.zoo import ZOO
+from tpdp_verify.properties import ALL, EXCLUSIONS
+from tpdp_verify.properties.exclusions import VOCAB_MODELS, as_records, summary_lines
+from tpdp_verify.properties.modules import module_trees
+from tpdp_verify.properties.strategies import fsdp_cases
+from tpdp_verify.properties.training import train_cases
+
+ROOT = Path(__file__).resolve().parent.parent
+PROPERTIES = {p.name: p for p in ALL}
+WORLD_SIZES = (2, 4)
+DRAWS = 100
+
+_SETTINGS = dict(database=None, derandomize=True, suppress_health_check=list(HealthCheck), deadline=None)
+
+
+def _redraw(strategy, field, values):
+    """``strategy``'s cases with ``field`` drawn afresh from ``values(case)``."""
+    return strategy.flatmap(lambda c: values(c).map(lambda v: replace(c, **{field: v})))
+
+
+def _fsdp1_untrained(ws):
+    return train_cases(ws, entries=("fsdp1",), built=("after_wrap",), static_graph=(False,))
+
+
+# Each exclusion's region in the space before its filter: the strategy with the left-out
+# dimension drawn freely.
+UNFILTERED = {
+    "fsdp_optimizer_before_wrap": lambda ws: _redraw(
+        train_cases(ws, entries=("fsdp1", "fully_shard")), "built", lambda c: st.sampled_from(BUILT)),
+    "fsdp2_optimizer_after_forward": lambda ws: _redraw(
+        train_cases(ws, entries=("fully_shard",)), "built", lambda c: st.sampled_from(BUILT)),
+    "ddp_unused_without_find_unused": lambda ws: _redraw(
+        train_cases(ws, entries=("ddp_mesh", "transform_ddp", "replicate"), models=("unused",)), "ddp",
+        lambda c: st.booleans().map(lambda b: replace(c.ddp, find_unused_parameters=b))),
+    "fsdp_empty_shard": lambda ws: _redraw(
+        train_cases(ws, entries=("fsdp1", "fully_shard")), "size", lambda c: ZOO[c.model].sizes(c.tp)),
+    "vocab_empty_shard": lambda ws: _redraw(
+        train_cases(ws, models=VOCAB_MODELS), "size",
+        lambda c: st.integers(2, 32).map(lambda v: replace(c.size, vocab=v))),
+    "checkpoint_optimizer_timing": train_cases,
+    "checkpoint_static_graph": train_cases,
+    "fsdp1_checkpoint_one_dp_rank": _fsdp1_untrained,
+    "fsdp1_checkpoint_accumulate": _fsdp1_untrained,
+    "fsdp1_checkpoint_models": _fsdp1_untrained,
+    "fsdp1_checkpoint_uneven": _fsdp1_untrained,
+    "trees_without_parameters": module_trees,
+    "chunk_tensor_hsdp": fsdp_cases,
+}
+
+IDS = [x.name for x in EXCLUSIONS]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)  # no comments in code blocks
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+@cache
+def _drawn(name: str, ws: int) -> tuple:
+    """DRAWS cases the property ``name`` draws on ``ws`` ranks (derandomized)."""
+    strategy = PROPERTIES[name].strategies["case"]
+    out = []
+
+    @settings(max_examples=DRAWS, phases=[Phase.generate], **_SETTINGS)
+    @given(strategy(ws) if callable(strategy) else strategy)
+    def collect(case):
+        out.append(case)
+
+    collect()
+    return tuple(out)
+
+
+def test_names_are_unique_and_every_exclusion_has_an_unfiltered_space():
+    assert len(set(IDS)) == len(IDS)
+    assert set(UNFILTERED) == set(IDS)
+
+
+@pytest.mark.parametrize("exclusion", EXCLUSIONS, ids=IDS)
+def test_declaration(exclusion):
+    assert exclusion.applies_to and set(exclusion.applies_to) <= set(PROPERTIES), exclusion.applies_to
+    assert exclusion.reason.strip()
+    path, _, anchor = exclusion.doc.partition("#")
+    assert (ROOT / path).is_file(), exclusion.doc
+    assert anchor in _anchors(ROOT / path), f"{exclusion.doc}: no heading with that anchor"
+
+
+@pytest.mark.parametrize("exclusion", EXCLUSIONS, ids=IDS)
+def test_the_unfiltered_space_reaches_it(exclusion):
+    found = find(UNFILTERED[exclusion.name](4), exclusion.test,
+                 settings=settings(max_examples=500, phases=[Phase.generate], **_SETTINGS))
+    assert exclusion.test(found)
+
+
+@pytest.mark.parametrize("exclusion", EXCLUSIONS, ids=IDS)
+def test_the_properties_never_draw_it(exclusion):
+    for name in exclusion.applies_to:
+        for ws in WORLD_SIZES:
+            drawn = [c for c in _drawn(name, ws) if exclusion.test(c)]
+            assert not drawn, f"{name} on {ws} ranks drew {drawn[0]!r}"
+
+
+def test_summary_and_records():
+    lines, records = summary_lines(), as_records()
+    assert len(lines) == len(records) == len(EXCLUSIONS)
+    for x, line, record in zip(EXCLUSIONS, lines, records):
+        assert line == f"not searched: {x.name} ({', '.join(x.applies_to)}): {x.reason} [{x.doc}]"
+        assert record == {"name": x.name, "properties": list(x.applies_to), "reason": x.reason, "doc": x.doc}

@@ -1,0 +1,43 @@
+"""The gate's power on torch's own code: a regression in torch's transform is NEW against
+the shipped baseline of torch 2.13.0, even where it only shows in cases that also show a
+known fault (every DDP case loses the registry on 2.13: the gradient mutant's cases).
+
+The whole table (every mutant, the ci profile, both world sizes) is in docs/performance.md
+(bench/bench_mutation.py --torch); these are a few of its rows, each on the property that
+must catch it, at world size 2 with the ci profile's budget.
+"""
+
+import dataclasses
+
+import pytest
+import torch_mutants
+
+from tpdp_verify import baseline, profiles
+from tpdp_verify.gate import check_property
+from tpdp_verify.properties import ignored_params_untouched, trains_like_one_device
+
+
+def judged(outcome, prop):
+    """The outcome judged by the shipped baseline (listed cases not met again are taken to
+    fail as recorded: this test is about what the search finds)."""
+    listed = [k for k in baseline.load("torch-2.13.0")[1] if (k.property, k.world_size) == (prop.name, 2)]
+    return baseline.judge([outcome], listed, rerun=lambda entry: entry.signature)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mutant, prop, part", [
+    (torch_mutants.SyncGradHookScales, trains_like_one_device, "value:gradient"),
+    (torch_mutants.UnflattenDropsShapeAndStride, trains_like_one_device, "crash:SIGABRT"),
+    (torch_mutants.LocalizeForgetsIgnored, ignored_params_untouched,
+     "check:ignored-and-plain-parameters-stay-untouched"),
+], ids=lambda v: getattr(v, "__name__", getattr(v, "name", v)))
+def test_a_regression_in_torch_is_new_against_the_shipped_baseline(tpdp_pools, mutant, prop, part):
+    known = baseline.known_parts(baseline.load("torch-2.13.0")[1])
+    assert part not in known.get(prop.name, set())  # else this test could not fail
+    profile = dataclasses.replace(profiles.get("ci"), shrink=False)  # the search's power, not shrinking's
+    outcome = check_property(prop, tpdp_pools.get(2), f"torch_mutants.{mutant.__name__}", profile,
+                             known=known.get(prop.name, set()))
+    j = judged(outcome, prop)
+    assert j.blocks and outcome.status == "diverges", outcome.findings
+    assert any(part in k.signature for k in j.new), [k.signature for k in j.new]
+    assert all(f.replay for f in outcome.findings if f.status == "NEW")

@@ -1,0 +1,184 @@
+"""Mutants of torch's own TP->DP transform (torch/distributed/tensor/parallel/ddp.py and
+_data_parallel_utils.py), each the way a real regression in torch would change it.
+
+Each class is an implementation under test (``--impl torch_mutants.Name`` with tests/ on
+sys.path, as tests/mutants.py is used, or ``tests.torch_mutants.Name`` from the repository
+root): an instance exposes every function in ``tpdp_verify.impl.FUNCTIONS``, torch's own
+function object for all but one. ``impl.installed`` points torch's call sites (ddp's and
+_data_parallel_utils' module globals) at the instance's functions, so torch's unchanged
+``_reconstruct_dtensor``, ``_localize_dtensor`` and ``_pre_dp_module_transform``, which
+look ``_unflatten_tensor``, ``_flatten_tensor``, ``_update_module_param``... up in ddp's
+globals when called, reach the changed one.
+
+``caught_by`` names the properties expected to catch a mutant; ``departs_as`` the kinds
+(verdict exception types, or the pool error) they report beyond torch 2.13.0's known
+divergences (docs/known-divergences.md).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import _data_parallel_utils as _dpu
+from torch.distributed.tensor.parallel import ddp as _ddp
+
+from tpdp_verify.impl import FUNCTIONS
+
+
+def _torch_originals() -> dict:
+    """torch's own function objects, read where torch defines them. Taken when this module
+    is imported, which is before ``installed`` patches anything in the ranks; refuse to
+    start from an already patched site rather than mutate a mutant."""
+    found = {f: getattr(_ddp, f"_{f}", None) or getattr(_dpu, f"_{f}") for f in FUNCTIONS}
+    for f, fn in found.items():
+        if not getattr(fn, "__module__", "").startswith("torch.distributed.tensor.parallel"):
+            raise RuntimeError(f"torch's _{f} is patched ({fn!r}): import torch_mutants outside installed()")
+    return found
+
+
+_TORCH = _torch_originals()
+
+
+class TorchReference:
+    """torch's transform, unchanged, installed through the same sites as the mutants: the
+    control (on torch 2.13.0 it shows only the known divergences)."""
+
+    caught_by: frozenset = frozenset()
+    departs_as: frozenset = frozenset()
+
+    def __init__(self):
+        for f in FUNCTIONS:
+            if not _overrides(type(self), f):
+                setattr(self, f, _TORCH[f])
+
+
+def _overrides(cls: type, f: str) -> bool:
+    """Whether a subclass of TorchReference defines ``f``."""
+    return any(f in vars(c) for c in cls.__mro__ if c is not TorchReference and issubclass(c, TorchReference))
+
+
+# -- (a) gradient values only -----------------------------------------------------------
+
+
+def _sync_grad_hook_scaling(grad, *, device_handle=None, compute_stream=None):
+    """torch's sync_grad_hook, returning the waited gradient times 1 + 1e-3: a stray factor
+    (a leftover loss-scale ratio, a pre-division by the wrong degree) of the size a
+    regression in a hook leaves, well inside what a loss curve would show."""
+    return _dpu.sync_grad_hook(grad, device_handle=device_handle, compute_stream=compute_stream) * (1 + 1e-3)
+
+
+class SyncGradHookScales(TorchReference):
+    """``_unflatten_tensor``'s ``sync_grad_hook`` returns the gradient scaled by 1 + 1e-3.
+
+    Every DDP+TP forward reconstructs the DTensors through ``_unflatten_tensor`` (torch's
+    ``_reconstruct_dtensor``, unchanged, finds it in ddp's globals), which registers the
+    hook on the local shard DDP reduces: every TP parameter's gradient, and only the
+    gradient values, are off by 1e-3 relative; shapes, placements, registry unchanged.
+    """
+
+    caught_by = frozenset({"trains_like_one_device", "trains_like_plain_ddp"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
+        result = DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False,
+                                    shape=spec.shape, stride=spec.stride)
+        if tensor.requires_grad:
+            tensor.register_hook(partial(_sync_grad_hook_scaling, device_handle=device_handle,
+                                         compute_stream=compute_stream))
+        return result
+
+
+# -- (b) a rank aborts ------------------------------------------------------------------
+
+
+class UnflattenDropsShapeAndStride(TorchReference):
+    """``_unflatten_tensor`` calls ``DTensor.from_local`` without ``shape=``/``stride=``
+    (as torch's did before it passed the spec's): from_local infers the global shape as
+    local * tp, so with an uneven shard every tp rank believes a different global shape.
+
+    Harmless until a collective is sized from that shape: a Colwise layer gathering its
+    output (``output_layouts=Replicate()``, the ``uneven`` model's ``proj``) pads each rank's
+    shard to the chunk its own belief implies, the ranks enter gloo's allgather with
+    different sizes, and gloo's enforce in its transport thread aborts the process.
+    """
+
+    caught_by = frozenset({"trains_like_one_device", "trains_like_plain_ddp", "flatten_roundtrip"})
+    # RankDied when training the uneven model; flatten_roundtrip (which calls unflatten
+    # directly) reports GlobalShape instead
+    departs_as = frozenset({"RankDied", "GlobalShape"})
+
+    @staticmethod
+    def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
+        result = DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False)
+        if tensor.requires_grad:
+            tensor.register_hook(partial(_dpu.sync_grad_hook, device_handle=device_handle,
+                                         compute_stream=compute_stream))
+        return result
+
+
+# -- (c) more regressions ---------------------------------------------------------------
+
+
+class ReconstructSkipsLast(TorchReference):
+    """``_reconstruct_dtensor`` updates all but the last TP parameter it collected (an
+    off-by-one, ``param_list[:-1]``): the last one stays a plain local tensor in the
+    forward, beside DTensors: the MLP's Rowwise bias, so every rank raises ``aten.addmm.default
+    got mixed torch.Tensor and DTensor`` in the forward of w2 (with dim=1 the one-element
+    bias is implicitly replicated instead, and the run fails later)."""
+
+    caught_by = frozenset({"trains_like_one_device", "trains_like_plain_ddp"})
+    departs_as = frozenset({"RaisesRuntimeError"})
+
+    @staticmethod
+    def reconstruct_dtensor(module: nn.Module, _input=None):
+        param_list = []
+        for name, t in module.named_parameters():
+            if hasattr(t, "_st_info"):
+                dtensor = _ddp._unflatten_tensor(t, t._st_info)
+                param_list.append((*_ddp._get_submodule_n_params(module, name), dtensor))
+        _ddp._update_module_param(param_list[:-1])
+
+
+class LocalizeForgetsIgnored(TorchReference):
+    """``_localize_dtensor`` drops its ``ignored_params`` check: replicate(ignored_modules=...)
+    and any caller passing ignored parameters get them localized anyway."""
+
+    caught_by = frozenset({"ignored_params_untouched"})
+    departs_as = frozenset({"IgnoredAndPlainParametersStayUntouched"})
+
+    @staticmethod
+    def localize_dtensor(module: nn.Module, *_, ignored_params=None):
+        param_list = []
+        for name, param in module.named_parameters():
+            t, sharding_info = _ddp._flatten_tensor(param)
+            if sharding_info is not None:
+                t = nn.Parameter(t)
+                t._st_info = sharding_info
+                param_list.append((*_ddp._get_submodule_n_params(module, name), t))
+        _ddp._update_module_param(param_list)
+
+
+class UpdateSkipsDelattr(TorchReference):
+    """``_update_module_param`` sets the new value without deleting the old attribute
+    first: a DTensor (not a Parameter) cannot be assigned over a registered parameter, so
+    the forward pre-hook raises ``TypeError: cannot assign 'torch.FloatTensor' as parameter
+    'weight'`` on every rank. Only properties that install the implementation see it:
+    registry_preserved calls the implementation's pre_dp_module_transform, whose hooks
+    (torch's) find torch's own ``_update_module_param`` in ddp's unpatched globals."""
+
+    caught_by = frozenset({"trains_like_one_device", "trains_like_plain_ddp"})
+    departs_as = frozenset({"RaisesTypeError"})
+
+    @staticmethod
+    def update_module_param(param_list):
+        for parent_module, module_path, t in param_list:
+            if not hasattr(parent_module, module_path):
+                raise AssertionError
+            setattr(parent_module, module_path, t)
+
+
+TORCH_MUTANTS = [SyncGradHookScales, UnflattenDropsShapeAndStride, ReconstructSkipsLast,
+                 LocalizeForgetsIgnored, UpdateSkipsDelattr]

@@ -1,0 +1,143 @@
+"""What a failure consists of, as stable parts: the identity a baseline records.
+
+A verdict's signature is the set of everything that failed in it, not only the first
+thing: each failed check by its identifier (``check:parameters-stay-registered-in-order``),
+the kind of value that departs first (``value:gradient``), an exception by its type and
+the innermost frame of the code under test that raised it
+(``raised:RuntimeError at torch/distributed/tensor/_dispatch.py:dispatch``), a rank that
+died by its signal (``crash:SIGABRT``), ranks that hung (``hang``).
+
+Parts name no rank, no step, no parameter and no number, and a check's identifier is its
+name, never its message (the ``detail``, which says what was seen and may be reworded):
+the same fault gives the same parts on every case it shows in, and a fault that adds
+anything gives a part no baseline of the old faults holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+Signature = tuple[str, ...]  # sorted, distinct parts
+
+HANG = "hang"
+
+
+def slug(name: str) -> str:
+    """A check's identifier from its name: "parameters stay registered, in order" ->
+    "parameters-stay-registered-in-order"."""
+    return "-".join(re.findall(r"[a-z0-9_]+", name.lower()))
+
+
+def check(name: str) -> str:
+    return f"check:{slug(name)}"
+
+
+def value(what: str) -> str:
+    """A kind of value beyond its bound: gradient, parameter, optimizer state, output, loss, buffer."""
+    return f"value:{slug(what)}"
+
+
+def crash(signal: str) -> str:
+    return f"crash:{signal or 'exit'}"
+
+
+def of(parts) -> Signature:
+    return tuple(sorted(set(parts)))
+
+
+def describe(part: str) -> str:
+    """A part as a reader says it: "check:frozen-parameters-stay-unchanged" -> "frozen
+    parameters stay unchanged", "value:gradient" -> "gradient beyond its bound"."""
+    head, _, rest = part.partition(":")
+    if head == "check":
+        return rest.replace("-", " ")
+    if head == "value":
+        return rest.replace("-", " ") + " beyond its bound"
+    if head == "crash":
+        return f"a rank died ({rest})"
+    if head == "raised":
+        return f"raised {rest}"
+    return part
+
+
+def name(part: str) -> str:
+    """A part as an identifier-like name: "check:frozen-parameters-stay-unchanged" ->
+    FrozenParametersStayUnchanged, "value:gradient" -> GradientBeyondItsBound,
+    "raised:RuntimeError at ..." -> RaisesRuntimeError, "crash:SIGABRT" -> CrashSIGABRT."""
+    head, _, rest = part.partition(":")
+    if head == "raised":
+        return "Raises" + rest.split(" ")[0]
+    if head == "crash":
+        return "Crash" + rest
+    return "".join(w[:1].upper() + w[1:] for w in re.findall(r"[A-Za-z0-9]+", describe(part)))
+
+
+def known(signature: Signature, recorded: set[str]) -> bool:
+    """A failure is known when every part of it is recorded for its property; anything
+    more or other is new."""
+    return bool(signature) and set(signature) <= recorded
+
+
+# --------------------------------------------------------------------------- exceptions
+
+# tpdp-verify's own code: a frame here is the harness calling the code under test, except
+# for the reference implementations, which are under test when --impl reference is.
+_HARNESS = tuple(os.path.dirname(os.path.abspath(m)) + os.sep for m in (
+    __file__,
+    os.path.join(os.path.dirname(__file__), "..", "properties", "x"),
+    os.path.join(os.path.dirname(__file__), "..", "fixtures", "x"),
+    os.path.join(os.path.dirname(__file__), "..", "oracles", "x"),
+))
+_UNDER_TEST = ("transform.py", "fsdp_extension.py")
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _harness(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    if path.startswith(_HARNESS):
+        return os.path.basename(path) not in _UNDER_TEST or "properties" in path.split(os.sep)
+    return (path.startswith(_STDLIB) and "site-packages" not in path) or "hypothesis" + os.sep in path \
+        or filename.startswith("<")
+
+
+def _short(filename: str) -> str:
+    """A file as stable text: from its package root (torch/..., tpdp_verify/...), else its name."""
+    parts = os.path.abspath(filename).split(os.sep)
+    for root in ("torch", "tpdp_verify", "tests"):
+        if root in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root):])
+    return os.path.basename(filename)
+
+
+def _pick(frames: list[tuple[str, str]], type_name: str) -> str:
+    """``raised:<type> at <file>:<function>`` for the innermost frame outside the harness."""
+    under_test = [(f, fn) for f, fn in frames if not _harness(f)]
+    if not under_test:
+        return f"raised:{type_name}"
+    filename, function = under_test[-1]
+    return f"raised:{type_name} at {_short(filename)}:{function}"
+
+
+def raised(exc: BaseException) -> str:
+    """The part for an exception caught where it was raised (in a rank, or here)."""
+    frames: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:  # a re-raise "from None" keeps the cause's frames
+        seen.add(id(e))
+        frames = [(f.filename, f.name) for f in traceback.extract_tb(e.__traceback__)] + frames
+        e = e.__cause__ or e.__context__
+    return _pick(frames, type(exc).__name__)
+
+
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)', re.M)
+
+
+def raised_from_text(tb: str) -> str:
+    """The same from a formatted traceback (what a rank's reply carries)."""
+    frames = [(m["file"], m["function"]) for m in _FRAME.finditer(tb)]
+    last = [ln for ln in tb.strip().splitlines() if ln and not ln.startswith(" ")]
+    type_name = last[-1].split(":")[0].rsplit(".", 1)[-1] if last else "Exception"
+    return _pick(frames, type_name)
