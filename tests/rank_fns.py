@@ -77,6 +77,8 @@ def die_on(rank, how):
             os.kill(os.getpid(), signal.SIGKILL)
         if how == "segfault":
             ctypes.string_at(0)
+        if how == "abort":  # as a C++ enforce in gloo's transport does
+            os.abort()
     time.sleep(60)
 
 

@@ -93,6 +93,10 @@ def test_a_real_hang_is_detected_within_the_timeout_and_the_pool_respawns(pool):
     assert TIMEOUT <= elapsed < TIMEOUT + 10
     assert info.value.silent == [0]
     assert "rank 0 of 4 did not answer" in str(info.value)
+    # where it hangs: the silent rank's Python stack, and the collective it waits in
+    assert list(info.value.stacks) == [0] and "lone_collective" in info.value.stacks[0]
+    assert info.value.pending.startswith("torch/distributed/") and info.value.pending.endswith(":all_reduce")
+    assert f"pending: {info.value.pending}" in str(info.value)
     assert "ranks 1, 2, 3 answered" in str(info.value)
     assert wait_gone(old) == []
     assert [r[0] for r in pool.run(rank_fns.rank_and_sum, 2)] == [0, 1, 2, 3]
@@ -109,7 +113,7 @@ def test_per_call_timeout_overrides_the_pool_default(pool):
 @pytest.mark.parametrize(
     "how, said",
     [("exit", "exited with code 3"), ("sigkill", "was killed by SIGKILL"),
-     ("segfault", "was killed by SIGSEGV")],
+     ("segfault", "was killed by SIGSEGV"), ("abort", "was killed by SIGABRT")],
 )
 def test_a_dying_rank_is_reported_and_the_pool_respawns(pool, how, said):
     spawns, old = pool.spawns, pool.pids
@@ -118,6 +122,7 @@ def test_a_dying_rank_is_reported_and_the_pool_respawns(pool, how, said):
         pool.run(rank_fns.die_on, 3, how)
     assert time.monotonic() - start < TIMEOUT  # noticed at once, not at the timeout
     assert info.value.rank == 3 and f"rank 3 of 4 {said}" in str(info.value)
+    assert info.value.signal == ("" if how == "exit" else said.rsplit(" ", 1)[1])
     assert wait_gone(old) == []
     assert len(pool.run(rank_fns.rank_and_sum, 3)) == 4
     assert pool.spawns == spawns + 1

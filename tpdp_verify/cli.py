@@ -17,7 +17,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Check that tensor parallelism composed with data parallelism trains "
         "exactly like the unsharded model.",
         epilog="exit codes: 0 ok, 1 divergence found, 2 usage or input error, "
-        "3 infrastructure failure (a rank hung or died)",
+        "3 infrastructure failure (the harness: ranks would not start, an internal error; "
+        "ranks that crash or hang in the code under test are a divergence)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

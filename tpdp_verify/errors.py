@@ -1,7 +1,9 @@
 """What can go wrong, and the exit code each failure maps to.
 
 Exit codes (documented in docs/cli.md): 0 every check passed, 1 a divergence was
-found, 2 usage or input error, 3 infrastructure failure (a rank hung or died).
+found, 2 usage or input error, 3 infrastructure failure (the harness itself: ranks that would not start, a check the
+ranks could not run, an internal error of tpdp-verify). Ranks that crash or hang while
+the code under test runs are a finding (tpdp_verify.suite.finding), so exit 1.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ class PoolError(RuntimeError):
 
 
 class RankTimeout(PoolError):
-    """Some ranks did not answer within the call's timeout."""
+    """Some ranks did not answer within the call's timeout.
 
-    def __init__(self, message: str, silent: list[int]):
+    ``stacks`` maps each silent rank to its Python stack (every thread) at the timeout;
+    ``pending`` names the innermost torch.distributed frame they wait in ("" if none).
+    """
+
+    def __init__(self, message: str, silent: list[int], stacks: dict | None = None, pending: str = ""):
         super().__init__(message)
         self.silent = silent
+        self.stacks = stacks or {}
+        self.pending = pending
 
 
 class RankDied(PoolError):
@@ -39,6 +47,19 @@ class RankDied(PoolError):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+        self.signal = _signal_name(exitcode)
+
+
+def _signal_name(exitcode: int | None) -> str:
+    """"SIGABRT" for a process killed by that signal; "" for one that exited."""
+    import signal
+
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 class RankFailed(Exception):

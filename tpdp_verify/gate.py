@@ -2,7 +2,8 @@
 
 Each property runs on a pool of every world size the profile names; its outcome is
 pass, diverges (a property failed: a finding about the implementation, with the shrunk
-case and a script that replays it) or infra (ranks hung or died: no verdict).
+case and a script that replays it; known when a baseline knows every failure) or infra
+(the harness failed: no verdict).
 """
 
 from __future__ import annotations

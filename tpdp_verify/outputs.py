@@ -145,7 +145,7 @@ def to_json(record: dict) -> str:
 
 def to_junit(record: dict) -> str:
     """One <testsuite> of one <testcase> per property and world size: a blocking divergence
-    (new, changed, or any without a baseline) is a <failure>, ranks that hung or died an
+    (new, changed, or any without a baseline) is a <failure>, a harness failure (no verdict) an
     <error>, and so is a run that stopped early. A property whose failures a baseline all
     knows passes, its known findings listed in <system-out>: CI is green exactly when the
     gate exits 0."""

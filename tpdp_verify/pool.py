@@ -17,15 +17,20 @@ all-gathers the replies, so every rank sees every result.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -161,10 +166,13 @@ def _exit_when_orphaned(lifeline) -> None:
     os._exit(70)  # the parent is gone: nobody will ever ask this rank anything again
 
 
-def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s) -> None:
+def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file) -> None:
     """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
     global _DEVICE_TYPE
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # On SIGUSR1 the rank writes every thread's Python stack, even when stuck in C++
+    # (a collective): what the parent reports for a hang.
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
     # DTensor's advice to construct from detached tensors fires inside torch's own
     # redistribute; on every rank and every example it would bury the report.
     warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
@@ -220,6 +228,20 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line \d+ in (?P<function>\S+)')
+
+
+def _pending(stacks: dict[int, str]) -> str:
+    """The innermost torch.distributed frame of the silent ranks' main threads (faulthandler
+    lists the current thread first, innermost frame first): the collective they wait in."""
+    for text in stacks.values():
+        for m in _FRAME.finditer(text):
+            path = m["file"].replace(os.sep, "/")
+            if "/torch/distributed/" in path:
+                return f"torch/distributed/{path.rsplit('/torch/distributed/', 1)[1]}:{m['function']}"
+    return ""
+
+
 def _ranks_text(ranks) -> str:
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
@@ -229,7 +251,7 @@ def _name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _shutdown(procs, conns, lifeline, graceful: bool) -> None:
+def _shutdown(procs, conns, lifeline, graceful: bool, stack_dir: str = "") -> None:
     """Stop the ranks: ask politely if idle, SIGKILL whatever is left after a moment."""
     if graceful:
         for conn in conns:
@@ -247,6 +269,8 @@ def _shutdown(procs, conns, lifeline, graceful: bool) -> None:
         proc.join()
     for conn in (*conns, lifeline):
         conn.close()
+    if stack_dir:
+        shutil.rmtree(stack_dir, ignore_errors=True)
 
 
 class _Ranks:
@@ -262,11 +286,13 @@ class _Ranks:
         )
         lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
         self.procs, self.conns = [], []
+        self.stack_dir = tempfile.mkdtemp(prefix="tpdp-stacks-")
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, backend, self.store.port, child_end, lifeline_r, pg_timeout),
+                args=(rank, world_size, backend, self.store.port, child_end, lifeline_r, pg_timeout,
+                      os.path.join(self.stack_dir, f"rank{rank}.txt")),
                 name=f"tpdp-rank-{rank}",
                 daemon=True,
             )
@@ -280,15 +306,35 @@ class _Ranks:
         self.calls = 0  # calls this generation has answered
         self.baseline: dict[int, int] = {}  # rank -> resident bytes after call BASELINE_CALL
         self.outgrown = False  # a rank has grown past the pool's max_rss_growth
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, lifeline_w, True)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, lifeline_w, True,
+                                           self.stack_dir)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def stacks(self, ranks: list[int], wait: float = 2.0) -> dict[int, str]:
+        """Each live rank's Python stack, every thread, as faulthandler writes it on SIGUSR1."""
+        paths = {r: os.path.join(self.stack_dir, f"rank{r}.txt") for r in ranks if self.procs[r].is_alive()}
+        for r in paths:
+            with contextlib.suppress(OSError):
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        deadline, sizes = time.monotonic() + wait, {}
+        while time.monotonic() < deadline:  # until every file is written and stops growing
+            time.sleep(0.1)
+            now = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
+            if all(now.values()) and now == sizes:
+                break
+            sizes = now
+        out = {}
+        for r, p in paths.items():
+            with contextlib.suppress(OSError), open(p) as f:
+                out[r] = f.read()
+        return out
+
     def close(self, graceful: bool = True) -> None:
         self._finalizer.detach()
-        _shutdown(self.procs, self.conns, self.lifeline, graceful and not self.busy)
+        _shutdown(self.procs, self.conns, self.lifeline, graceful and not self.busy, self.stack_dir)
 
     def collect(self, what: str, deadline: float, grace: float) -> dict[int, tuple]:
         """Wait for one reply from every rank, or raise on timeout or death."""
@@ -300,12 +346,15 @@ class _Ranks:
             if left <= 0:
                 if graced:  # an error came first: report it, naming who was stuck
                     return replies | {r: ("stuck",) for r in pending}
+                stacks = self.stacks(sorted(pending))
+                pending_in = _pending(stacks)
                 raise RankTimeout(
                     f"{_ranks_text(pending)} of {len(self.conns)} did not answer within the "
                     f"timeout running {what}"
                     + (f" ({_ranks_text(replies)} answered)" if replies else "")
-                    + "; the ranks were killed and the next run respawns them",
-                    sorted(pending),
+                    + "; the ranks were killed and the next run respawns them"
+                    + (f"\npending: {pending_in}" if pending_in else ""),
+                    sorted(pending), stacks, pending_in,
                 )
             waitables = {c: r for r, c in pending.items()}
             waitables |= {self.procs[r].sentinel: r for r in pending}
