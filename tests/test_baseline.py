@@ -109,12 +109,24 @@ def test_the_shipped_baseline_loads_by_name_and_every_case_rebuilds():
 
 @pytest.mark.timeout(600)
 def test_the_smoke_gate_passes_against_torch_with_the_shipped_baseline(tmp_path):
+    """Every property draws its full budget past torch's known faults, and the files a CI
+    reads agree with the exit code."""
+    import xml.etree.ElementTree as ET
+
     out = subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", "--baseline", "torch-2.13.0",
-                          "--json", str(tmp_path / "gate.json")], capture_output=True, text=True, timeout=580)
+                          "--json", str(tmp_path / "gate.json"), "--junit", str(tmp_path / "junit.xml")],
+                         capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " 0 new, 0 changed, " in out.stdout
     record = json.loads((tmp_path / "gate.json").read_text())
-    assert record["exit_code"] == 0 and record["counts"]["diverges"] > 0  # known, not absent
+    assert record["exit_code"] == 0 and record["counts"]["known"] > 0 and record["counts"]["diverges"] == 0
+    assert record["baseline"]["name"] == "torch-2.13.0" and not record["baseline"]["blocks"]
+    assert all(p["drawn"] == p["wanted"] == 10 and not p["drew_fewer"] for p in record["properties"])
+    assert sum(p["known_only"] for p in record["properties"]) > 0  # the search went on past them
+    assert {f["status"] for p in record["properties"] for f in p["findings"]} <= {"known"}
+    assert record["not_searched"] and "not searched: fsdp_empty_shard" in out.stdout
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("failures"), suite.get("errors")) == ("0", "0")
 
 
 def test_known_divergences_md_lists_every_entry_of_the_shipped_baseline():
@@ -137,5 +149,5 @@ def test_a_broken_transform_blocks_against_the_shipped_baseline():
     out = subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", "--impl", "mutants.ScalesGradientUp",
                           "--baseline", "torch-2.13.0"], capture_output=True, text=True, timeout=580, env=env)
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
-    assert re.search(r"  NEW +trains_like_one_device +world 2  GradientBeyondItsBound", out.stdout), out.stdout[-4000:]
+    assert re.search(r"  NEW +trains_like_one_device +world 2  .*gradient beyond its bound", out.stdout), out.stdout[-4000:]
     assert re.search(r"against the baseline: [1-9]\d* new, .*: blocks", out.stdout)
