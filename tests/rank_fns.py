@@ -69,6 +69,13 @@ def lone_collective(rank):
     return "returned"
 
 
+def barrier_unless(rank):
+    """Every rank but ``rank`` waits in a barrier that ``rank`` never enters."""
+    if dist.get_rank() != rank:
+        dist.barrier()
+    return "returned"
+
+
 def die_on(rank, how):
     if dist.get_rank() == rank:
         if how == "exit":
@@ -80,6 +87,16 @@ def die_on(rank, how):
         if how == "abort":  # as a C++ enforce in gloo's transport does
             os.abort()
     time.sleep(60)
+
+
+def sleep_and_reduce(seconds):
+    """Rank 0 sleeps while the others already wait for it in an all_reduce: a signal that
+    cut either the sleep or the collective would show in the sum or as an error."""
+    if dist.get_rank() == 0:
+        time.sleep(seconds)
+    t = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(t)
+    return t
 
 
 def sleep(seconds):

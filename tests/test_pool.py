@@ -1,6 +1,8 @@
 """RankPool on real gloo ranks: results, mesh cache, and every failure mode for real."""
 
+import os
 import signal
+import threading
 import time
 
 import pytest
@@ -103,10 +105,41 @@ def test_a_real_hang_is_detected_within_the_timeout_and_the_pool_respawns(pool):
     assert pool.spawns == spawns + 1
 
 
+@pytest.mark.timeout(60)
+def test_a_hang_names_every_silent_rank_stack_and_the_collective_they_wait_in(pool):
+    stack_dir = pool._ranks.stack_dir
+    with pytest.raises(RankTimeout) as info:
+        pool.run(rank_fns.barrier_unless, 0)
+    assert info.value.silent == [1, 2, 3]
+    assert sorted(info.value.stacks) == [1, 2, 3]
+    assert all("barrier_unless" in stack for stack in info.value.stacks.values())
+    assert info.value.pending.startswith("torch/distributed/") and info.value.pending.endswith(":barrier")
+    assert str(info.value).endswith(f"\npending: {info.value.pending}")
+    assert not os.path.exists(stack_dir)  # the retired generation took its stack files along
+    assert pool.run(rank_fns.barrier_unless, 4) == ["returned"] * 4
+
+
 def test_per_call_timeout_overrides_the_pool_default(pool):
-    with pytest.raises(RankTimeout):
+    with pytest.raises(RankTimeout) as info:
         pool.run(rank_fns.sleep, 3.0, timeout=1.0)
+    assert sorted(info.value.stacks) == [0, 1, 2, 3]
+    assert all("in sleep" in stack for stack in info.value.stacks.values())
+    assert info.value.pending == "" and "pending:" not in str(info.value)  # no collective
     assert pool.run(rank_fns.sleep, 0.0) == [0.0] * 4
+
+
+def test_taking_the_stacks_does_not_disturb_a_running_call(pool):
+    spawns, taken = pool.spawns, {}
+    ranks = pool._ranks
+    timer = threading.Timer(0.5, lambda: taken.update(ranks.stacks([0, 1, 2, 3])))
+    timer.start()
+    try:
+        results = pool.run(rank_fns.sleep_and_reduce, 1.5)
+    finally:
+        timer.join()
+    assert [r.item() for r in results] == [6.0] * 4  # SIGUSR1 neither ended nor cut the call
+    assert pool.spawns == spawns
+    assert sorted(taken) == [0, 1, 2, 3] and all("sleep_and_reduce" in s for s in taken.values())
 
 
 @pytest.mark.timeout(60)
@@ -167,11 +200,12 @@ def test_two_pools_run_side_by_side_without_colliding():
 
 def test_close_leaves_no_process_and_is_idempotent():
     pool = RankPool(2, "gloo")
-    pids = pool.pids
-    assert all(alive(p) for p in pids)
+    pids, stack_dir = pool.pids, pool._ranks.stack_dir
+    assert all(alive(p) for p in pids) and os.path.isdir(stack_dir)
     pool.close()
     pool.close()
     assert not any(alive(p) for p in pids)
+    assert not os.path.exists(stack_dir)
 
 
 @pytest.mark.parametrize(

@@ -172,7 +172,8 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # On SIGUSR1 the rank writes every thread's Python stack, even when stuck in C++
     # (a collective): what the parent reports for a hang.
-    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
+    # chain=False: the handler is installed with SA_RESTART, so a dump never interrupts a call.
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True, chain=False)
     # DTensor's advice to construct from detached tensors fires inside torch's own
     # redistribute; on every rank and every example it would bury the report.
     warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
@@ -197,6 +198,11 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # What every reply needs (_portable), imported now, under the start-up timeout: on a
+        # busy machine a generation's first call would otherwise spend seconds of its own
+        # timeout importing DTensor, and a short timeout would call that a hang.
+        import torch.distributed.tensor  # noqa: F401
+        import torch.utils._pytree  # noqa: F401
     except Exception:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None)))
         return

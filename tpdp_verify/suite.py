@@ -180,7 +180,7 @@ class Property:
             _KNOWN.reset(token)
         if stats.cover_failures:
             raise self._with_cover(None, stats)
-        if stats.passed + stats.known == 0:
+        if stats.passed + stats.known + len(stats.learned) == 0:
             raise AssertionError(
                 f"property {self.name} ran no example it could check ({stats}); its strategy "
                 "never produced a case it could check"
