@@ -8,6 +8,7 @@ so that a property whose strategy was filtered away cannot pass silently.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -98,6 +99,18 @@ def _part(traceback_text: str) -> str:
     if CAUGHT_PART in traceback_text:
         return traceback_text.rsplit(CAUGHT_PART, 1)[1].strip()
     return signature.raised_from_text(traceback_text)
+
+
+@contextlib.contextmanager
+def _shrinking_for(seconds: int):
+    """Bound the time hypothesis spends shrinking one run (its engine's module constant)."""
+    from hypothesis.internal.conjecture import engine
+
+    saved, engine.MAX_SHRINKING_SECONDS = engine.MAX_SHRINKING_SECONDS, seconds
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = saved
 
 
 @dataclass(frozen=True)
@@ -205,7 +218,7 @@ class Property:
         test = profile.settings(given(**strategies)(run_one))
         if profile.seed is not None:
             test = hypothesis.seed(profile.seed)(test)
-        with collector.with_value(note):
+        with collector.with_value(note), _shrinking_for(profile.shrink_seconds):
             test(pool, impl)
 
     @staticmethod
