@@ -36,3 +36,10 @@ def divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:
     found = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else (info.value,)
     assert all(isinstance(e, Divergence) for e in found), found
     return list(found), stats
+
+
+def the_one(found, stats, text: str) -> tuple[str, dict]:
+    """The message and shrunk draw of the divergence among ``found`` whose message holds ``text``."""
+    match = [e for e in found if text in str(e)]
+    assert match, f"no divergence says {text!r}: {found}"
+    return str(match[0]), stats.failures[type(match[0]).__name__]

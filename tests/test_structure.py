@@ -6,9 +6,9 @@ import traceback
 
 import mutants
 import pytest
+from helpers import divergences, the_one
 
 from tpdp_verify.properties import ignored_params_untouched, paths_resolve, registry_preserved
-from tpdp_verify.suite import Stats
 
 STRUCTURAL = [paths_resolve, registry_preserved, ignored_params_untouched]
 
@@ -20,33 +20,27 @@ def test_reference_satisfies(tpdp_pools, tpdp_profile, prop, world_size):
     assert stats.passed >= tpdp_profile.max_examples
 
 
-def _torch_failure(prop, pool, profile, check):
-    """The message of the divergence whose first failed check is ``check``, and its shrunk
-    case: hypothesis shrinks each kind apart and raises a group when it finds several."""
-    stats = Stats()
-    with pytest.raises(AssertionError) as info:
-        try:
-            prop.run(pool, "torch", profile, stats)
-        except BaseExceptionGroup as group:
-            raise next(e for e in group.exceptions if f"  {check} (rank" in str(e)) from None
-    assert f"  {check} (rank" in str(info.value)
-    return str(info.value), stats.failures[type(info.value).__name__]
+def _torch_failure(prop, pool, profile, text):
+    """The message of torch's divergence that says ``text``, and its shrunk case: hypothesis
+    shrinks each signature apart and raises a group when it finds several."""
+    return the_one(*divergences(prop, pool, "torch", profile), text)
 
 
 def test_torch_moves_a_replaced_parameter_to_the_end(tpdp_pool, tpdp_profile):
     message, drawn = _torch_failure(paths_resolve, tpdp_pool, tpdp_profile,
-                                    "replacement keeps the registration order")
+                                    "  replacement keeps the registration order (rank")
     assert len(drawn["case"].root.params) + len(drawn["case"].root.children) == 2
 
 
 def test_torch_empties_the_registry_after_a_forward(tpdp_pool, tpdp_profile):
-    message, drawn = _torch_failure(registry_preserved, tpdp_pool, tpdp_profile, "parameter names")
-    assert "parameter names (ranks 0, 1): after forward 1" in message
+    message, drawn = _torch_failure(registry_preserved, tpdp_pool, tpdp_profile,
+                                    "  parameter names (ranks 0, 1): after forward 1")
     assert "expected ['l'], got []" in message and len(drawn["modes"]) == 1
 
 
 def test_torch_reorders_parameters_when_localizing_with_ignored_ones(tpdp_pool, tpdp_profile):
-    _torch_failure(ignored_params_untouched, tpdp_pool, tpdp_profile, "names and their order survive localize")
+    _torch_failure(ignored_params_untouched, tpdp_pool, tpdp_profile,
+                   "  names and their order survive localize (rank")
 
 
 @pytest.mark.parametrize("mutant", mutants.MODULE_MUTANTS, ids=lambda m: m.__name__)
