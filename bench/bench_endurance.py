@@ -44,8 +44,11 @@ import torch
 from hypothesis import Phase, given, settings
 
 from tpdp_verify.errors import PoolError
-from tpdp_verify.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.properties.training import trains_like_one_device
+from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from helpers import alive  # noqa: E402  (tests/helpers.py: the one liveness test)
 
 WORLD = 4
 RSS_TARGET = 10.0  # percent
@@ -101,15 +104,6 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
     except FileNotFoundError:
         return f"{pid} (gone)"
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def rank_caches() -> dict:
@@ -328,7 +322,7 @@ def main() -> int:
             row(f"{label}: {what}", first[who][key], last[who][key], later)
     row("parent: child processes", first["children"], last["children"])
 
-    print(f"\nafter pool.close():")
+    print("\nafter pool.close():")
     ok &= not left_alive and not left_listening
     print(f"  rank processes left: {len(left_alive)} of {len(pids)} {left_alive or ''}   {mark(not left_alive)}")
     print(f"  ports the pool listened on (stores {sorted(store_ports)}, gloo {sorted(used_ports - store_ports)}): "

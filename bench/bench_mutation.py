@@ -45,16 +45,22 @@ import torch
 from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.reporting import with_reporter
 
-from tpdp_verify import impl as impl_mod
-from tpdp_verify import profiles
 from tpdp_verify.errors import (
-    EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, RankFailed, UsageError,
+    EXIT_DIVERGENCE,
+    EXIT_INFRA,
+    EXIT_OK,
+    EXIT_USAGE,
+    PoolError,
+    RankFailed,
+    UsageError,
 )
-from tpdp_verify.pool import RankPool
+from tpdp_verify.impls import select as impl_mod
+from tpdp_verify.impls.transform import Transform
+from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.properties import ALL
-from tpdp_verify.suite import Property, Stats
-from tpdp_verify.transform import Transform
-from tpdp_verify.verdict import Divergence
+from tpdp_verify.ranks.pool import RankPool
+from tpdp_verify.runner import profiles
+from tpdp_verify.runner.property import Property, Stats
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 TRANSFORM, FSDP = "transform", "FSDP extension"
@@ -91,7 +97,7 @@ def _family(cls) -> str | None:
 
 def _fsdp_extension_base():
     try:
-        return importlib.import_module("tpdp_verify.fsdp_extension").FSDPExtension
+        return importlib.import_module("tpdp_verify.impls.fsdp_extension").FSDPExtension
     except (ModuleNotFoundError, AttributeError):
         return None
 
@@ -141,7 +147,7 @@ def all_mutants() -> list[Mutant]:
 def all_properties() -> tuple[Property, ...]:
     """properties.ALL (the gate's suite, the FSDP extension's properties included), then any
     property of properties/fsdp_extension.py that ALL lacks. Every mutant runs against all of
-    them: impl.load and impl.load_fsdp give a mutant of one family the reference of the other."""
+    them: select.load and select.load_fsdp give a mutant of one family the reference of the other."""
     try:
         extension = importlib.import_module("tpdp_verify.properties.fsdp_extension")
     except ModuleNotFoundError as exc:
@@ -190,8 +196,6 @@ class Result:
         return "yes" if any(d in k for d in self.mutant.documented for k in self.kinds) else "no"
 
 
-_FAILED_CHECK = re.compile(r"^  (.+?) \(ranks? [\d, ]+\): ", re.M)
-
 
 def kinds_of(exc: BaseException) -> tuple[list[str], str]:
     """The kinds of failure in what a property raised, and the exception's type name."""
@@ -200,8 +204,6 @@ def kinds_of(exc: BaseException) -> tuple[list[str], str]:
     for e in found:
         if isinstance(e, Divergence):
             kind = e.kind
-        elif isinstance(e, AssertionError) and _FAILED_CHECK.search(str(e)):
-            kind = ", ".join(_FAILED_CHECK.findall(str(e)))  # assert_checks: the failed checks
         elif isinstance(e, RankFailed) and e.tracebacks:  # what the ranks raised, not the wrapper
             last = e.tracebacks[min(e.tracebacks)].strip().splitlines()[-1]
             kind = f"raised on {len(e.tracebacks)} rank(s): {last[:90]}"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tpdp_verify.errors import RankFailed
-from tpdp_verify.pool import RankPool, device_mesh
+from tpdp_verify.ranks.pool import RankPool, device_mesh
 
 WORLD = 4
 MESH_SHAPE, MESH_NAMES = (2, 2), ("dp", "tp")
@@ -67,7 +67,9 @@ def tp_ddp_check(seed: int) -> tuple[int, float]:
     """Gradients of TP+DDP vs the unsharded model; returns (params compared, max |diff|)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, parallelize_module,
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
     )
     from torch.nn.parallel import DistributedDataParallel as DDP
 

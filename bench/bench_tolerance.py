@@ -4,7 +4,7 @@ Run as ``.venv/bin/python bench/bench_tolerance.py [--examples N] [--world-size 
 Cases are drawn by the property's strategy (derandomized) over every zoo model and mesh
 factorization, through the entry points where the reference trains as documented; for
 each, the ranks train it with the reference transform and every value is judged against
-the float64 shadow (tpdp_verify.tolerance):
+the float64 shadow (tpdp_verify.judging.tolerance):
 
 - correct runs: the error/bound ratio of every compared value (outputs, losses,
   gradients, parameters, optimizer state, buffers). The largest must stay below 1, and
@@ -27,12 +27,12 @@ import sys
 import torch
 from hypothesis import Phase, given, settings
 
-from tpdp_verify.execute import observe
+from tpdp_verify.judging.tolerance import error
+from tpdp_verify.judging.verdict import assemble, judge_training
 from tpdp_verify.oracles.single_device import oracle
-from tpdp_verify.pool import RankPool
-from tpdp_verify.properties.training import SOUND, train_cases
-from tpdp_verify.tolerance import error
-from tpdp_verify.verdict import assemble, judge
+from tpdp_verify.properties.training import SOUND_TRAINING, train_cases
+from tpdp_verify.ranks.pool import RankPool
+from tpdp_verify.ranks.tp_dp import observe
 
 FACTORS = (1 + 1e-3, 1 - 1e-3)
 
@@ -40,7 +40,7 @@ def draw(n: int, world_size: int) -> list:
     cases = []
 
     @settings(max_examples=n, derandomize=True, database=None, phases=[Phase.generate], deadline=None)
-    @given(train_cases(world_size, **SOUND))
+    @given(train_cases(world_size, **SOUND_TRAINING))
     def collect(case):
         cases.append(case)
 
@@ -58,7 +58,7 @@ def main() -> int:
         for case in draw(args.examples, args.world_size):
             whole, checks = assemble(case, pool.run(observe, case, "reference"))
             baseline, shadow = oracle(case)
-            verdict = judge(case, whole, baseline, shadow)
+            verdict = judge_training(case, whole, baseline, shadow)
             if not all(c.ok for c in checks) or not verdict.ok:
                 print(f"A CORRECT RUN WAS FLAGGED: {case!r}\n{verdict.report()}", file=sys.stderr)
                 return 1

@@ -27,8 +27,9 @@ import torch
 from hypothesis import Phase, given, settings
 
 from tpdp_verify.errors import PoolError
-from tpdp_verify.pool import RankPool
-from tpdp_verify.properties.training import SOUND, train_cases, verdict_one_device
+from tpdp_verify.oracles.verdicts import verdict_one_device
+from tpdp_verify.properties.training import SOUND_TRAINING, train_cases
+from tpdp_verify.ranks.pool import RankPool
 
 TARGET = 10.0
 SMALL = ("mlp", "nested", "tied", "frozen", "unused", "uneven", "buffers")
@@ -79,10 +80,10 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, 4 gloo ranks, mesh (dp=2, tp=2)")
     rows = []
     with RankPool(4, timeout=30) as pool:
-        warm = draw(3, **SOUND, models=SMALL)
+        warm = draw(3, **SOUND_TRAINING, models=SMALL)
         timed(pool, "reference", warm)  # mesh subgroups, imports, dispatch caches: once a pool
         for label, models in (("small models", SMALL), ("Llama fixtures", LLAMA)):
-            for impl, narrow in (("reference", SOUND), ("torch", {})):
+            for impl, narrow in (("reference", SOUND_TRAINING), ("torch", {})):
                 cases = draw(args.examples, **narrow, models=models)
                 per, passed, compared = timed(pool, impl, cases)
                 rows.append((label, impl, len(cases), passed, compared, per))

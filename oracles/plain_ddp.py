@@ -9,11 +9,16 @@ alone departs the same way (its own matter) or not (the TP->DP composition's).
 
 from __future__ import annotations
 
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.execute import observe
-from tpdp_verify.training import Trace
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.ranks.loop import Trace
+from tpdp_verify.ranks.tp_dp import observe
 
 
 def observe_plain_ddp(case: TrainCase) -> Trace:
     """On every rank: the case without TP, through torch's own entry point."""
     return observe(case, "torch", tp=False)
+
+
+def observe_with_plain_ddp(case: TrainCase, impl_name: str) -> tuple[Trace, Trace]:
+    """On every rank: the TP+DP run and the plain-DP run, in one call to the ranks."""
+    return observe(case, impl_name), observe_plain_ddp(case)

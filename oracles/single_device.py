@@ -2,7 +2,7 @@
 
 It runs twice: in the case's dtype (float32 unless the case says bfloat16 or float16), the
 baseline whose rounding error earns the tolerance, and in float64, the shadow taken as
-exact (see tpdp_verify.tolerance).
+exact (see tpdp_verify.judging.tolerance).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.training import Run, Trace, build, make_optimizer, train
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.ranks.loop import Run, Trace, build, make_optimizer, train
 
 
 class Oracle(NamedTuple):

@@ -1,37 +1,26 @@
 """Checkpoints: a TP+DP model's state_dict looks like the unsharded model's, and a saved
 model and optimizer load into a fresh TP+DP model that then steps exactly like the
-uninterrupted one, by every route a user takes (tpdp_verify.checkpoint.ROUTES).
-
-Nothing here computes anything the oracle would have to bound: a save and a load move
-bits, and the resumed model's next step runs the very computation the uninterrupted
-model's runs, on the same ranks, the same rows and the same layout. So every comparison
-is exact (NaN equal to NaN), and the rank pieces are put together with
-tpdp_verify.pieces.merge, which checks that every copy of an element agrees.
+uninterrupted one, by every route a user takes (tpdp_verify.ranks.checkpoint.ROUTES).
+The cases and where each property searches are here; running and judging a checkpoint
+is the oracle's (tpdp_verify.oracles.checkpoints).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
-import torch
 from hypothesis import assume
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.checkpoint import ROUTES, Seen, observe_checkpoint
-from tpdp_verify.compare import Check
+from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
-from tpdp_verify.pieces import merge
+from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
 from tpdp_verify.properties.exclusions import CHECKPOINT_BUILT, CHECKPOINT_STATIC_GRAPH, FSDP1_UNTRAINABLE
 from tpdp_verify.properties.training import every_model, train_cases
-from tpdp_verify.suite import known_now, tpdp_property, worth_explaining
-from tpdp_verify.training import build
-from tpdp_verify.verdict import Verdict
+from tpdp_verify.ranks.checkpoint import ROUTES
+from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaining
 
 # Where a correct transform must checkpoint exactly: the DP entry points that carry TP
-# as documented (as properties.training.SOUND), by the routes that keep the tp dimension
+# as documented (as properties.training.SOUND_CHECKPOINTS), by the routes that keep the tp dimension
 # of every value. The rest departs whatever the transform, with the reference (completed
 # by a load hook, tests/test_checkpoint.py) as with torch's, and checkpoints exactly
 # without TP through the same entry point (docs/properties.md, "Checkpoints"):
@@ -42,13 +31,13 @@ from tpdp_verify.verdict import Verdict
 # gradient (the `unused` model) has no optimizer state to save, but the fresh optimizer's
 # template has one: dcp.load raises "Missing key in checkpoint state_dict", and
 # set_optimizer_state_dict "Missing optimizer state for parameter 'spare.w1.weight'".
-SOUND = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard", "fsdp1"))
+SOUND_CHECKPOINTS = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard", "fsdp1"))
 UNSOUND_PAIRS = {("ddp_mesh", "dcp"), ("transform_ddp", "dcp"), ("fsdp1", "get_set"), ("fsdp1", "dcp")}
 UNSOUND_MODEL_ROUTES = {("unused", "dcp"), ("unused", "get_set")}
 
 
 def sound(entry: str, route: str | None = None, model: str = "") -> bool:
-    return (entry in SOUND["entries"] and (entry, route) not in UNSOUND_PAIRS
+    return (entry in SOUND_CHECKPOINTS["entries"] and (entry, route) not in UNSOUND_PAIRS
             and (model, route) not in UNSOUND_MODEL_ROUTES)
 
 
@@ -70,7 +59,7 @@ def trainable(case: TrainCase) -> bool:
     return not any(x.test(case) for x in FSDP1_UNTRAINABLE)
 
 
-def checkpoint_cases(world_size: int, entries: tuple[str, ...] = SOUND["entries"], **narrower
+def checkpoint_cases(world_size: int, entries: tuple[str, ...] = SOUND_CHECKPOINTS["entries"], **narrower
                      ) -> st.SearchStrategy[TrainCase]:
     """Training cases for checkpoints: the optimizer built on the wrapper after wrapping,
     no static graph (the exclusions checkpoint_optimizer_timing and checkpoint_static_graph),
@@ -84,194 +73,9 @@ def sound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 
 
 def all_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    from tpdp_verify.cases import ENTRIES
+    from tpdp_verify.cases.training import ENTRIES
 
     return checkpoint_cases(world_size, ENTRIES)
-
-
-# --------------------------------------------------------------------------- on the ranks
-
-
-def run_checkpoint(pool, impl: str, case: TrainCase, route: str | None, tp: bool = True) -> list[Seen]:
-    """``observe_checkpoint`` on every rank, with a fresh directory for DCP shared by the
-    ranks (they run on this machine: under torchrun across nodes it would have to be on a
-    shared filesystem)."""
-    directory = tempfile.mkdtemp(prefix="tpdp-checkpoint-")
-    try:
-        return pool.run(observe_checkpoint, case, impl, route, directory, tp)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- judging
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
-
-
-def _difference(a: torch.Tensor | None, b: torch.Tensor | None) -> str:
-    if a is None or b is None:
-        return f"{'none' if a is None else 'a tensor'} where {'none' if b is None else 'a tensor'} was expected"
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return f"{a.dtype} of shape {list(a.shape)} where a {b.dtype} of shape {list(b.shape)} was expected"
-    diff = (a.double() - b.double()).abs()
-    diff = torch.where(a.isnan() & b.isnan(), 0.0, diff) if a.is_floating_point() else diff
-    return f"{int((diff != 0).sum())} of {diff.numel()} elements differ, by up to {diff.max().item():.3g}"
-
-
-def _merged(seen: list[Seen], label: str, checks: list[Check]) -> dict:
-    """The global values the ranks' pieces of ``label`` make up; a failed check per value
-    whose copies disagree or whose elements no rank holds."""
-    names = list(dict.fromkeys(n for s in seen for n in s.values.get(label, {})))
-    out = {}
-    for name in names:
-        out[name], problem = merge([s.values.get(label, {}).get(name) for s in seen])
-        if problem:
-            checks.append(Check(f"replicas agree on the {label.split(' after')[0]}", False, f"{label}: {name}: {problem}"))
-    return out
-
-
-def _compare(what: str, got: dict, expected: dict, checks: list[Check], where: str = "") -> int:
-    """One exact check a value of ``expected``; missing and unexpected names fail too."""
-    missing = [n for n in expected if n not in got]
-    extra = [n for n in got if n not in expected]
-    if missing:
-        checks.append(Check(what, False, f"{where}missing {', '.join(missing)}"))
-    if extra:
-        checks.append(Check(what, False, f"{where}unexpected {', '.join(extra)}"))
-    for name in expected:
-        if name in got:
-            ok = _same(got[name], expected[name])
-            checks.append(Check(what, ok, "" if ok else f"{where}{name}: {_difference(got[name], expected[name])}"))
-    return len(expected)
-
-
-def _errors(seen: list[Seen]) -> list[Check]:
-    """A failed check for each distinct exception (its type and frame), else one that passed."""
-    detail = "; ".join(sorted({s.error for s in seen if s.error}))
-    return [Check("every rank checkpoints without an exception", False, detail, part)
-            for part in sorted({s.raised for s in seen if s.error})] or \
-        [Check("every rank checkpoints without an exception", True)]
-
-
-def _at_least(compared: int, seen: list[Seen], checks: list[Check]) -> None:
-    """Never vacuous: at least one comparison a parameter of the model."""
-    if compared < max(1, seen[0].parameters):
-        checks.append(Check("compared at least one value a parameter", False,
-                            f"compared {compared} values for {seen[0].parameters} parameters"))
-
-
-def judge_state_dict(case: TrainCase, seen: list[Seen]) -> Verdict:
-    """The state_dict() before and after training against the unsharded model's."""
-    v = Verdict(against="the unsharded model's state_dict")
-    v.checks += _errors(seen)
-    unsharded = build(case).state_dict()
-    expected = {k: tuple(t.shape) for k, t in unsharded.items()}
-    compared = 0
-    for moment in ("before training", "after training"):
-        if moment not in seen[0].entries:
-            continue
-        entries = seen[0].entries[moment]
-        differ = [r for r, s in enumerate(seen) if s.entries.get(moment) != entries]
-        v.checks.append(Check("every rank has the same state_dict entries", not differ,
-                              f"{moment}: ranks {differ} differ from rank 0"))
-        keys = [k for k, _, _ in entries]
-        missing, extra = [k for k in expected if k not in keys], [k for k in keys if k not in expected]
-        v.checks.append(Check("state_dict has the unsharded model's keys", not missing and not extra,
-                              f"{moment}: " + "; ".join(filter(None, (
-                                  missing and f"missing {', '.join(missing)}",
-                                  extra and f"unexpected {', '.join(extra)}")))))
-        v.checks.append(Check("state_dict keys in the unsharded model's order",
-                              [k for k in keys if k in expected] == [k for k in expected if k in keys],
-                              f"{moment}: {keys}, unsharded {list(expected)}"))
-        for key, kind, shape in entries:
-            if key in expected:
-                compared += 1
-                v.checks.append(Check("state_dict holds global shapes", shape == expected[key],
-                                      f"{moment}: {key} is a {kind} of shape {list(shape)}, "
-                                      f"the unsharded model's {list(expected[key])}"))
-    before = _merged(seen, "state_dict before training", v.checks)
-    compared += _compare("state_dict before training holds the unsharded model's values", before,
-                         {k: t for k, t in unsharded.items() if k in before}, v.checks)
-    after = _merged(seen, "state_dict after training", v.checks)
-    model = _merged(seen, "trained model", v.checks)
-    model = {n[len("buffer "):] if n.startswith("buffer ") else n: t for n, t in model.items()}
-    compared += _compare("state_dict after training holds the model's values", after,
-                         {k: model[k] for k in after if k in model}, v.checks)
-    if not v.checks[0].ok:
-        return v
-    _at_least(compared, seen, v.checks)
-    return v
-
-
-def judge_resume(case: TrainCase, seen: list[Seen]) -> Verdict:
-    """The loaded model and optimizer, and the resumed step, against the uninterrupted run."""
-    v = Verdict(against="the uninterrupted run")
-    v.checks += _errors(seen)
-    if not v.checks[0].ok:
-        return v
-    c, compared = v.checks, 0
-    trained, fresh = _merged(seen, "trained model", c), _merged(seen, "fresh model", c)
-    c.append(Check("the fresh model starts elsewhere", any(not _same(fresh.get(n), t) for n, t in trained.items()),
-                   "the fresh model (built from another seed) already holds every trained value: "
-                   "a load that moved nothing would pass"))
-    compared += _compare("the loaded model holds the saved values", _merged(seen, "loaded model", c), trained, c)
-    compared += _compare("the loaded optimizer holds the saved state", _merged(seen, "loaded optimizer", c),
-                         _merged(seen, "saved optimizer", c), c)
-    for rank, s in enumerate(seen):
-        compared += _compare("the loaded optimizer holds the saved state", s.local["loaded optimizer"],
-                             s.local["saved optimizer"], c, f"rank {rank}'s flat shard: ")
-        compared += _compare("the resumed step's outputs and losses are the uninterrupted step's",
-                             s.local["resumed step"], s.local["uninterrupted step"], c, f"rank {rank}: ")
-        compared += _compare("the resumed optimizer after the step is the uninterrupted one's",
-                             s.local["resumed optimizer after the step"],
-                             s.local["uninterrupted optimizer after the step"], c, f"rank {rank}'s flat shard: ")
-    compared += _compare("the resumed model after the step is the uninterrupted one's",
-                         _merged(seen, "resumed model after the step", c),
-                         _merged(seen, "uninterrupted model after the step", c), c)
-    compared += _compare("the resumed optimizer after the step is the uninterrupted one's",
-                         _merged(seen, "resumed optimizer after the step", c),
-                         _merged(seen, "uninterrupted optimizer after the step", c), c)
-    _at_least(compared, seen, c)
-    return v
-
-
-def _without_tp(verdict: Verdict, pool, case: TrainCase, route: str | None, judge) -> Verdict:
-    """The same case through the same entry point without TP; the verdict says whether
-    the departure is TP+DP's or the entry point's own."""
-    alone = judge(case, run_checkpoint(pool, "torch", case, route, tp=False))
-    verdict.plain_ddp = ("checkpoints exactly: the departure is TP+DP's" if alone.ok else
-                         f"departs too ({alone.kind}): the departure is {case.entry}'s own")
-    return alone
-
-
-def verdict_state_dict(pool, impl: str, case: TrainCase) -> Verdict:
-    verdict = judge_state_dict(case, run_checkpoint(pool, impl, case, None))
-    if not verdict.ok and worth_explaining(verdict.signature):
-        _without_tp(verdict, pool, case, None, judge_state_dict)
-    return verdict
-
-
-def verdict_resume(pool, impl: str, case: TrainCase, route: str, dp_own_passes: bool = False) -> Verdict:
-    """With ``dp_own_passes``, a departure that the same entry point shows without TP (every
-    part of it) is no departure of TP+DP's: a fresh DDP's first buckets reduce in another
-    grouping than the uninterrupted run's rebuilt ones, and with more than two dp ranks
-    gloo's ring sums an element in an order that depends on its place in its bucket, so
-    DP alone resumes one ulp away (docs/properties.md, "Checkpoints")."""
-    verdict = judge_resume(case, run_checkpoint(pool, impl, case, route))
-    if verdict.ok or not (dp_own_passes or worth_explaining(verdict.signature)):
-        return verdict
-    if dp_own_passes and known_now(verdict.signature):
-        return verdict  # known as it is: no need to ask whose it is
-    alone = _without_tp(verdict, pool, case, route, judge_resume)
-    if dp_own_passes and not alone.ok and set(verdict.signature) <= set(alone.signature):
-        return Verdict(against=verdict.against, plain_ddp=verdict.plain_ddp)
-    return verdict
 
 
 def _covering(in_space):
@@ -289,7 +93,7 @@ def sound_state_dict_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 
 
 def unsound_state_dict_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    from tpdp_verify.cases import ENTRIES
+    from tpdp_verify.cases.training import ENTRIES
 
     return checkpoint_cases(world_size, tuple(e for e in ENTRIES if not sound(e)))
 
@@ -297,20 +101,20 @@ def unsound_state_dict_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 @tpdp_property(min_world_size=2, cover=every_model, case=sound_state_dict_cases)
 def state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
     """state_dict() before and after training has the unsharded model's keys, order, global shapes and values."""
-    verdict_state_dict(pool, impl, case).raise_if_failed()
+    verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=unsound_state_dict_cases)
 def entry_points_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
     """The same through replicate, whose state_dict departs whatever the transform."""
-    verdict_state_dict(pool, impl, case).raise_if_failed()
+    verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=_covering(sound), case=sound_cases, route=st.sampled_from(ROUTES))
 def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
     """Saved after training and loaded into a fresh TP+DP model, model and optimizer are bit-exact, and so is the next step."""
     _within(sound(case.entry, route, case.model), case, route)
-    verdict_resume(pool, impl, case, route, dp_own_passes=True).raise_if_failed()
+    verdict_resume(pool, impl, case, route, worth_explaining, known_now, dp_own_passes=True).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=_covering(lambda e, r, m: not sound(e, r, m)), case=all_cases,
@@ -318,4 +122,4 @@ def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
 def entry_points_checkpoint_resume(pool, impl: str, case: TrainCase, route: str) -> None:
     """The same where an entry point or route departs whatever the transform: replicate, DCP of DDP's and FSDP1's optimizer state."""
     _within(not sound(case.entry, route, case.model), case, route)
-    verdict_resume(pool, impl, case, route).raise_if_failed()
+    verdict_resume(pool, impl, case, route, worth_explaining, known_now).raise_if_failed()

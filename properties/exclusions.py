@@ -8,26 +8,18 @@ that is true exactly for the cases left out. The strategies build their filters 
 choices from the data here (``properties/training.py``, ``properties/checkpoint.py``,
 ``properties/registry.py``, ``properties/fsdp_extension.py``), and
 ``tests/test_exclusions.py`` checks that each region exists in the unfiltered space and
-that the property's strategy never draws into it; the gate lists them (``summary_lines``).
+that the property's strategy never draws into it; the gate lists them (tpdp_verify.runner.suite).
 
 Not listed: a split of one space between two properties that run the same checks
-(``SOUND`` and the ``entry_points_*`` properties): the other property searches those cases.
+(``SOUND_TRAINING``, ``SOUND_CHECKPOINTS`` and the ``entry_points_*`` properties): the other property searches those cases.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
-from tpdp_verify.cases import DDP_ENTRIES
+from tpdp_verify.cases.training import DDP_ENTRIES, empty_shard
+from tpdp_verify.runner.suite import Exclusion
 
 # --------------------------------------------------------------------------- the data
-
-
-def empty_shard(n: int, tp: int) -> bool:
-    """Whether torch.chunk's split of ``n`` rows over ``tp`` ranks (ceil(n / tp) each)
-    leaves some rank no row."""
-    return -(-n // tp) * (tp - 1) >= n
 
 
 def empty_width(size, tp: int) -> bool:
@@ -68,23 +60,12 @@ CHUNK_TENSOR_MESH_DIMS = (2,)
 
 
 def _no_parameters(case) -> bool:
-    from tpdp_verify.properties.modules import count_params
+    from tpdp_verify.cases.trees import count_params
 
     return count_params(case) == 0
 
 
 # --------------------------------------------------------------------------- the declarations
-
-
-@dataclass(frozen=True)
-class Exclusion:
-    """A region of the case space the properties ``applies_to`` never draw."""
-
-    name: str
-    applies_to: tuple[str, ...]  # property names
-    reason: str
-    doc: str  # "docs/<file>.md#<anchor>"
-    test: Callable[[object], bool] = field(repr=False, compare=False)  # true: the drawn case is left out
 
 
 TRAINING = ("trains_like_one_device", "trains_like_plain_ddp", "entry_points_train_like_one_device")
@@ -201,14 +182,3 @@ EXCLUSIONS = (
 # What checkpoint_cases keeps of FSDP1: training works, so there is something to checkpoint.
 FSDP1_UNTRAINABLE = (FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE, FSDP1_CHECKPOINT_MODELS,
                      FSDP1_CHECKPOINT_UNEVEN)
-
-
-def summary_lines() -> list[str]:
-    """One line an exclusion, for the gate's report."""
-    return [f"not searched: {x.name} ({', '.join(x.applies_to)}): {x.reason} [{x.doc}]" for x in EXCLUSIONS]
-
-
-def as_records() -> list[dict]:
-    """The exclusions as plain data (JSON reports)."""
-    return [{"name": x.name, "properties": list(x.applies_to), "reason": x.reason, "doc": x.doc}
-            for x in EXCLUSIONS]

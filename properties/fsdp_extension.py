@@ -4,7 +4,7 @@ FSDP1 flattens a TP model's DTensor parameters through ``pre_flatten_transform``
 rebuilds them through ``post_unflatten_transform``; its sharded state dicts hold what
 ``chunk_tensor`` (ShardedTensor) or ``chunk_dtensor`` (DTensor) make of a parameter, and
 loading gathers them back through ``pre_load_state_dict_transform`` and
-``all_gather_dtensor``. The contract is in tpdp_verify/fsdp_extension.py.
+``all_gather_dtensor``. The contract is in tpdp_verify/impls/fsdp_extension.py.
 
 Every rank returns named checks; none gathers a DTensor whose layout some rank found
 wrong (a collective over a wrong layout can abort gloo): those layout checks are the
@@ -18,11 +18,18 @@ import contextlib
 import torch
 
 from tpdp_verify import signature
-from tpdp_verify.compare import Check, assert_checks
+from tpdp_verify.cases.tensors import FSDPCase, TensorCase
+from tpdp_verify.judging.verdict import Verdict
 from tpdp_verify.properties.exclusions import CHUNK_TENSOR_MESH_DIMS
-from tpdp_verify.properties.roundtrip import all_ranks, distributed_param, gathered_checks, layout_checks
-from tpdp_verify.properties.strategies import FSDPCase, TensorCase, fsdp_cases, tensor_cases
-from tpdp_verify.suite import tpdp_property
+from tpdp_verify.properties.roundtrip import (
+    RoundTrip,
+    all_ranks,
+    round_trip_checks,
+)
+from tpdp_verify.properties.strategies import fsdp_cases, tensor_cases
+from tpdp_verify.ranks.observation import Check, observing
+from tpdp_verify.ranks.pool import device_type
+from tpdp_verify.runner.property import tpdp_property
 
 
 def _raised(name: str, call) -> tuple[object, list[Check]]:
@@ -38,59 +45,41 @@ def _raised(name: str, call) -> tuple[object, list[Check]]:
 # -- pre_flatten_transform / post_unflatten_transform ------------------------------------
 
 
-def observe_flatten(case: TensorCase, impl_name: str) -> list[Check]:
-    """On every rank: a DTensor parameter through pre_flatten and post_unflatten."""
+# FSDP1's names for the round trip's checks.
+FSDP_ROUND_TRIP = RoundTrip(flatten="pre_flatten", unflatten="post_unflatten", info="extension info",
+                            local="pre_flatten local", rebuilt="post_unflatten ",
+                            copy_means="FSDP would flatten a copy, not the model")
+
+
+def _fsdp_checks(shard: torch.Tensor, local: torch.Tensor, back) -> list[Check]:
+    """What FSDP1 needs beyond the transform's round trip: the local tensor is the shard
+    itself, and the rebuilt DTensor is marked flattened (nested FSDP skips it)."""
     from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
     from torch.distributed.tensor import DTensor
 
-    from tpdp_verify.impl import load_fsdp
-    from tpdp_verify.pool import device_mesh
-
-    ext = load_fsdp(impl_name)
-    mesh = device_mesh(case.mesh_shape)
-    full, param, shard = distributed_param(case, mesh)
-    shard_requires_grad = shard.requires_grad
-
-    local, info = ext.pre_flatten_transform(param)
-    back = ext.post_unflatten_transform(local, info)
-    checks = [
-        Check("pre_flatten returns extension info", info is not None, f"got {info!r}"),
-        Check("pre_flatten leaves t requiring grad as before", param.requires_grad == case.requires_grad,
-              f"t.requires_grad became {param.requires_grad}"),
-        Check("pre_flatten leaves t's shard requiring grad as before", shard.requires_grad == shard_requires_grad,
-              f"t's shard requires_grad went {shard_requires_grad} -> {shard.requires_grad}"),
-        Check("pre_flatten local shares storage with t's shard",
-              local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(),
-              "pre_flatten copied the shard: FSDP would flatten a copy, not the model"),
-        Check("pre_flatten local is t's shard", local.shape == shard.shape and torch.equal(local, shard),
-              f"local {tuple(local.shape)} differs from t's shard {tuple(shard.shape)}"),
-        Check("pre_flatten local requires_grad", local.requires_grad == case.requires_grad,
-              f"local.requires_grad={local.requires_grad}, t.requires_grad={case.requires_grad}"),
-        Check("post_unflatten returns a DTensor", isinstance(back, DTensor), f"got {type(back).__name__}"),
-    ]
-    layout = []
+    checks = [Check("pre_flatten local is t's shard", local.shape == shard.shape and torch.equal(local, shard),
+                    f"local {tuple(local.shape)} differs from t's shard {tuple(shard.shape)}")]
     if isinstance(back, DTensor):
-        layout = layout_checks(case, mesh, param, back, "post_unflatten ")
-        checks += layout + [
-            Check("post_unflatten requires_grad", back.requires_grad == case.requires_grad,
-                  f"post_unflatten(pre_flatten(t)).requires_grad={back.requires_grad}, "
-                  f"t.requires_grad={case.requires_grad}"),
-            Check("post_unflatten local data", torch.equal(back.to_local(), shard), "the shard's values changed"),
-            Check("post_unflatten marks the result FSDP-flattened", _is_fsdp_flattened(back),
-                  "nested FSDP would flatten the rebuilt DTensor again"),
-        ]
-    checks += gathered_checks(case, full, back, local, layout, "post_unflatten ")
-    plain = full.clone()
-    out, plain_info = ext.pre_flatten_transform(plain)
-    checks.append(Check("pre_flatten of a plain tensor is the identity", out is plain and plain_info is None,
-                        f"got {type(out).__name__} and {plain_info!r}"))
+        checks.append(Check("post_unflatten marks the result FSDP-flattened", _is_fsdp_flattened(back),
+                            "nested FSDP would flatten the rebuilt DTensor again"))
     return checks
+
+
+@observing
+def observe_flatten(case: TensorCase, impl_name: str) -> list[Check]:
+    """On every rank: a DTensor parameter through pre_flatten and post_unflatten."""
+    from tpdp_verify.impls.select import load_fsdp
+    from tpdp_verify.ranks.pool import device_mesh
+
+    ext = load_fsdp(impl_name, device_type())
+    return round_trip_checks(case, device_mesh(case.mesh_shape), ext.pre_flatten_transform,
+                             ext.post_unflatten_transform, FSDP_ROUND_TRIP, _fsdp_checks)
 
 
 @tpdp_property(case=lambda world_size: tensor_cases(world_size, max_mesh_dims=2))
 def fsdp_flatten_roundtrip(pool, impl: str, case: TensorCase) -> None:
     """post_unflatten(pre_flatten(t)) is t: shard shared, layout, dtype, requires_grad, data, FSDP mark, gradient flow."""
-    assert_checks(pool.run(observe_flatten, case, impl))
+    Verdict.of_ranks(pool.run(observe_flatten, case, impl)).raise_if_failed()
 
 
 # -- chunk_dtensor / all_gather_dtensor --------------------------------------------------
@@ -98,7 +87,7 @@ def fsdp_flatten_roundtrip(pool, impl: str, case: TensorCase) -> None:
 
 def _meshes(case: FSDPCase):
     """The root mesh, its FSDP sub-mesh (all dims but tp) and its tp sub-mesh."""
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.ranks.pool import device_mesh
 
     root = device_mesh(case.mesh_shape, case.mesh_names)
     return root, root[case.mesh_names[:-1]], root["tp"]
@@ -173,14 +162,15 @@ def _preflight(name: str, call) -> Check:
                  len(set(shapes)) == 1, f"global shapes by rank: {shapes}")
 
 
+@observing
 def observe_chunk_dtensor(case: FSDPCase, impl_name: str) -> list[Check]:
     """On every rank: the DTensor a DTensor state dict holds for the parameter."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tpdp_verify.impl import load_fsdp
+    from tpdp_verify.impls.select import load_fsdp
 
-    ext = load_fsdp(impl_name)
+    ext = load_fsdp(impl_name, device_type())
     root, fsdp_mesh, tp_mesh = _meshes(case)
     full, param = case.full(), _parameter(case, tp_mesh)
     source = param.to_local() if isinstance(param, DTensor) else param
@@ -216,16 +206,17 @@ def observe_chunk_dtensor(case: FSDPCase, impl_name: str) -> list[Check]:
 @tpdp_property(case=fsdp_cases)
 def chunk_dtensor_layout(pool, impl: str, case: FSDPCase) -> None:
     """chunk_dtensor(t) on the root mesh: FSDP's placements plus t's tp placement, t's shape, DTensor's own blocks, t's full tensor."""
-    assert_checks(pool.run(observe_chunk_dtensor, case, impl))
+    Verdict.of_ranks(pool.run(observe_chunk_dtensor, case, impl)).raise_if_failed()
 
 
+@observing
 def observe_all_gather(case: FSDPCase, impl_name: str) -> list[Check]:
     """On every rank: gather FSDP's dims of a state dict's DTensor back to the tp shard."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from tpdp_verify.impl import load_fsdp
+    from tpdp_verify.impls.select import load_fsdp
 
-    ext = load_fsdp(impl_name)
+    ext = load_fsdp(impl_name, device_type())
     root, _, tp_mesh = _meshes(case)
     full = case.full()
     # built independently of chunk_dtensor, so this property judges all_gather alone
@@ -248,7 +239,7 @@ def observe_all_gather(case: FSDPCase, impl_name: str) -> list[Check]:
 @tpdp_property(case=fsdp_cases)
 def all_gather_dtensor_full(pool, impl: str, case: FSDPCase) -> None:
     """all_gather_dtensor of a state dict's DTensor is the tp shard: with the others, the full tensor."""
-    assert_checks(pool.run(observe_all_gather, case, impl))
+    Verdict.of_ranks(pool.run(observe_all_gather, case, impl)).raise_if_failed()
 
 
 # -- chunk_tensor: ShardedTensor metadata ---------------------------------------------------
@@ -296,6 +287,7 @@ def _local_shard_checks(what: str, st, source: torch.Tensor, pg) -> list[Check]:
     return checks
 
 
+@observing
 def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
     """On every rank: the ShardedTensor a sharded state dict holds for the parameter,
     with FSDP1 sharding over the dp dim and the parameter a DTensor on the tp dim."""
@@ -304,9 +296,9 @@ def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from tpdp_verify.impl import load_fsdp
+    from tpdp_verify.impls.select import load_fsdp
 
-    ext = load_fsdp(impl_name)
+    ext = load_fsdp(impl_name, device_type())
     root, _, tp_mesh = _meshes(case)
     dp = root.get_group("dp")
     full, param = case.full(), _parameter(case, tp_mesh)
@@ -360,4 +352,4 @@ def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
 @tpdp_property(case=lambda world_size: fsdp_cases(world_size, mesh_dims=CHUNK_TENSOR_MESH_DIMS))  # chunk_tensor_hsdp
 def chunk_tensor_metadata(pool, impl: str, case: FSDPCase) -> None:
     """chunk_tensor(t)'s ShardedTensor: its local shard is DTensor's local shape and offset, its shards tile t once, its inner chunks hold t's shard."""
-    assert_checks(pool.run(observe_chunk_tensor, case, impl))
+    Verdict.of_ranks(pool.run(observe_chunk_tensor, case, impl)).raise_if_failed()

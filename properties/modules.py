@@ -1,7 +1,7 @@
 """Hypothesis strategies for module trees: plain, printable, picklable data, built per rank.
 
 A drawn ``TreeCase`` prints as constructor code, so a falsifying example replays by pasting
-it (``from tpdp_verify.properties.modules import TreeCase, Node, ParamSpec`` and
+it (``from tpdp_verify.cases.trees import TreeCase, Node, ParamSpec`` and
 ``from torch.distributed.tensor import Shard, Replicate``); ``build`` turns it into the same
 ``nn.Module`` on every rank, DTensor parameters included, as ``parallelize_module`` leaves them.
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement
 
+from tpdp_verify.cases.trees import Node, ParamSpec, TreeCase, is_under, join_path, split_path
 from tpdp_verify.properties.strategies import mesh_shapes
 
 KINDS = ("module", "sequential", "modulelist", "moduledict")  # simplest first: shrinks to "module"
@@ -52,134 +52,6 @@ def _safe(name: str, owner: type) -> bool:
 
 assert all(_safe(n, nn.Module) for n in NAMES), "a name would shadow an nn.Module attribute"
 assert all(_safe(k, nn.ModuleDict) for k in DICT_KEYS), "a key would shadow a ModuleDict attribute"
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter: ``placements=None`` is a plain Parameter, else one placement a mesh dim."""
-
-    name: str
-    shape: tuple[int, ...]
-    placements: tuple[Placement, ...] | None
-    requires_grad: bool
-
-
-@dataclass(frozen=True)
-class Node:
-    """One module. Only kind "module" holds params and buffers; containers hold children.
-
-    Children of "sequential" and "modulelist" are named "0", "1", ...; of "moduledict",
-    by key; of "module", by attribute name.
-    """
-
-    kind: str
-    params: tuple[ParamSpec, ...] = ()
-    buffers: tuple[str, ...] = ()
-    children: tuple[tuple[str, "Node"], ...] = ()
-
-
-@dataclass(frozen=True)
-class TreeCase:
-    """A module tree on a mesh, with sharing applied after building.
-
-    shared: (src, dst) module paths; dst becomes the very module object at src.
-    tied: (src, dst) parameter paths; dst becomes the very Parameter at src.
-    """
-
-    root: Node
-    mesh_shape: tuple[int, ...]
-    shared: tuple[tuple[str, str], ...] = ()
-    tied: tuple[tuple[str, str], ...] = ()
-    seed: int = 0
-
-
-# ---------------------------------------------------------------------------
-# Walking the plain data.
-# ---------------------------------------------------------------------------
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _under(path: str, ancestor: str) -> bool:
-    """``path`` is ``ancestor`` or inside it (by dotted atoms: "layer1" is not in "layer")."""
-    return path == ancestor or path.startswith(ancestor + ".")
-
-
-def nodes(node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
-    """Every (module path, node) of the drawn tree, preorder, before any sharing."""
-    yield prefix, node
-    for name, child in node.children:
-        yield from nodes(child, _join(prefix, name))
-
-
-def depth(node: Node) -> int:
-    """Levels of modules: a lone root is 1."""
-    return 1 + max((depth(child) for _, child in node.children), default=0)
-
-
-class _Obj:
-    """A stand-in for one module object, to replay sharing and tying without torch."""
-
-    def __init__(self, node: Node, path: str):
-        self.params = {p.name: (_join(path, p.name), p) for p in node.params}
-        self.children = {name: _Obj(child, _join(path, name)) for name, child in node.children}
-
-    def get(self, path: str) -> "_Obj":
-        obj = self
-        for atom in path.split(".") if path else ():
-            obj = obj.children[atom]
-        return obj
-
-
-def _split(path: str) -> tuple[str, str]:
-    parent, _, name = path.rpartition(".")
-    return parent, name
-
-
-def named_param_specs(case: TreeCase) -> list[tuple[str, ParamSpec]]:
-    """(name, spec) as the built model's ``named_parameters()`` reports them.
-
-    Replays torch's walk: modules preorder, a module object seen before is skipped with
-    its subtree, a Parameter object seen before is skipped; the first name wins.
-    """
-    root = _Obj(case.root, "")
-    for src, dst in case.shared:
-        parent, name = _split(dst)
-        root.get(parent).children[name] = root.get(src)
-    for src, dst in case.tied:
-        src_mod, src_name = _split(src)
-        dst_mod, dst_name = _split(dst)
-        root.get(dst_mod).params[dst_name] = root.get(src_mod).params[src_name]
-
-    out: list[tuple[str, ParamSpec]] = []
-    seen_mods: set[int] = set()
-    seen_params: set[str] = set()
-
-    def walk(obj: _Obj, prefix: str) -> None:
-        if id(obj) in seen_mods:
-            return
-        seen_mods.add(id(obj))
-        for name, (identity, spec) in obj.params.items():
-            if identity not in seen_params:
-                seen_params.add(identity)
-                out.append((_join(prefix, name), replace(spec, name=name)))
-        for name, child in obj.children.items():
-            walk(child, _join(prefix, name))
-
-    walk(root, "")
-    return out
-
-
-def param_paths(case: TreeCase) -> list[str]:
-    """The names ``named_parameters()`` gives for ``build(case, mesh)``, in its order."""
-    return [path for path, _ in named_param_specs(case)]
-
-
-def count_params(case: TreeCase) -> int:
-    """Distinct Parameter objects in the built model (tied and shared ones count once)."""
-    return len(named_param_specs(case))
 
 
 # ---------------------------------------------------------------------------
@@ -233,7 +105,7 @@ def _param(spec: ParamSpec, path: str, seed: int, mesh) -> nn.Parameter:
 
 
 def _build(node: Node, path: str, seed: int, mesh) -> nn.Module:
-    children = [(name, _build(child, _join(path, name), seed, mesh)) for name, child in node.children]
+    children = [(name, _build(child, join_path(path, name), seed, mesh)) for name, child in node.children]
     if node.kind == "sequential":
         return nn.Sequential(*(m for _, m in children))
     if node.kind == "modulelist":
@@ -242,7 +114,7 @@ def _build(node: Node, path: str, seed: int, mesh) -> nn.Module:
         return nn.ModuleDict(children)
     module = TreeModule([p.name for p in node.params], node.buffers, [n for n, _ in children])
     for spec in node.params:
-        setattr(module, spec.name, _param(spec, _join(path, spec.name), seed, mesh))
+        setattr(module, spec.name, _param(spec, join_path(path, spec.name), seed, mesh))
     for i, name in enumerate(node.buffers):
         module.register_buffer(name, torch.arange(i + 1, dtype=torch.float32))
     for name, child in children:
@@ -264,10 +136,10 @@ def build(case: TreeCase, mesh) -> nn.Module:
     """The case as an nn.Module; call on every rank (DTensor params distribute collectively)."""
     root = _build(case.root, "", case.seed, mesh)
     for src, dst in case.shared:
-        parent, name = _split(dst)
+        parent, name = split_path(dst)
         _set_child(root.get_submodule(parent), name, root.get_submodule(src))
     for src, dst in case.tied:
-        dst_mod, dst_name = _split(dst)
+        dst_mod, dst_name = split_path(dst)
         setattr(root.get_submodule(dst_mod), dst_name, root.get_parameter(src))
     return root
 
@@ -356,7 +228,7 @@ def _module_table(root: _Draft) -> list[tuple[str, str, str]]:
 
     def walk(node: _Draft, prefix: str) -> None:
         for name, child in node.children:
-            path = _join(prefix, name)
+            path = join_path(prefix, name)
             rows.append((path, child.kind, node.kind))
             walk(child, path)
 
@@ -375,12 +247,12 @@ def _shareable(table, shared) -> list[tuple[str, str]]:
     parent_kinds = {path: pk for path, _, pk in table}
     pairs = []
     for dst, _, _ in table:
-        if any(_under(dst, d) or _under(d, dst) or _under(dst, s) or _under(s, dst) for s, d in shared):
+        if any(is_under(dst, d) or is_under(d, dst) or is_under(dst, s) or is_under(s, dst) for s, d in shared):
             continue
         for src, _, _ in table:
-            if _under(src, dst) or _under(dst, src):
+            if is_under(src, dst) or is_under(dst, src):
                 continue
-            if any(_under(src, d) or _under(d, src) for _, d in shared):
+            if any(is_under(src, d) or is_under(d, src) for _, d in shared):
                 continue
             if parent_kinds[dst] == "sequential" and kinds[src] not in CALLABLE_KINDS:
                 continue
@@ -392,9 +264,9 @@ def _tieable(root: _Draft, shared, tied) -> list[tuple[str, str]]:
     """(src, dst) parameter pairs: both still reachable (not inside a replaced dst),
     and no chains: a dst is tied once and is never a src."""
     live = [
-        _join(path, p.name)
+        join_path(path, p.name)
         for path, node in _draft_nodes(root, "")
-        if not any(_under(path, d) for _, d in shared)
+        if not any(is_under(path, d) for _, d in shared)
         for p in node.params
     ]
     srcs, dsts = {s for s, _ in tied}, {d for _, d in tied}
@@ -405,13 +277,13 @@ def _tieable(root: _Draft, shared, tied) -> list[tuple[str, str]]:
 def _draft_nodes(node: _Draft, prefix: str) -> Iterator[tuple[str, _Draft]]:
     yield prefix, node
     for name, child in node.children:
-        yield from _draft_nodes(child, _join(prefix, name))
+        yield from _draft_nodes(child, join_path(prefix, name))
 
 
 def _tie(root: _Draft, src: str, dst: str) -> None:
     """Give dst the src's spec, so the tied pair agrees on shape, layout and requires_grad."""
-    src_mod, src_name = _split(src)
-    dst_mod, dst_name = _split(dst)
+    src_mod, src_name = split_path(src)
+    dst_mod, dst_name = split_path(dst)
     spec = next(p for p in dict(_draft_nodes(root, ""))[src_mod].params if p.name == src_name)
     dst_node = dict(_draft_nodes(root, ""))[dst_mod]
     dst_node.params = [replace(spec, name=dst_name) if p.name == dst_name else p for p in dst_node.params]

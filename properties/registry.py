@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from tpdp_verify.compare import Check, assert_checks
+from tpdp_verify.cases.trees import TreeCase
+from tpdp_verify.judging.verdict import Verdict
 from tpdp_verify.properties.exclusions import TREES_WITHOUT_PARAMETERS
-from tpdp_verify.properties.modules import TreeCase, build, module_trees
-from tpdp_verify.suite import tpdp_property
+from tpdp_verify.properties.modules import build, module_trees
+from tpdp_verify.ranks.observation import Check, observing
+from tpdp_verify.runner.property import tpdp_property
 
 MODES = st.lists(st.tuples(st.sampled_from(["train", "eval"]), st.booleans()), min_size=1, max_size=3)
 
@@ -75,10 +77,11 @@ def _short(value, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+@observing
 def observe_registry(case: TreeCase, modes: list[tuple[str, bool]], impl_name: str) -> list[Check]:
     """On every rank: transform a model, run forwards in ``modes``, compare the registry."""
-    from tpdp_verify.impl import load
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.impls.select import load
+    from tpdp_verify.ranks.pool import device_mesh
 
     impl = load(impl_name)
     model = build(case, device_mesh(case.mesh_shape))
@@ -107,14 +110,15 @@ def observe_registry(case: TreeCase, modes: list[tuple[str, bool]], impl_name: s
 @tpdp_property(case=module_trees, modes=MODES)
 def registry_preserved(pool, impl: str, case: TreeCase, modes: list) -> None:
     """The transform and any forwards keep names, order, global shapes, requires_grad, ties, buffers, state_dict, hooks."""
-    assert_checks(pool.run(observe_registry, case, modes, impl))
+    Verdict.of_ranks(pool.run(observe_registry, case, modes, impl)).raise_if_failed()
 
 
+@observing
 def observe_paths(case: TreeCase, pick: int, impl_name: str) -> list[Check]:
     """On every rank: every parameter name resolves to its owner; a replacement touches
     exactly the slot it names."""
-    from tpdp_verify.impl import load
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.impls.select import load
+    from tpdp_verify.ranks.pool import device_mesh
 
     impl = load(impl_name)
     model = build(case, device_mesh(case.mesh_shape))
@@ -154,15 +158,16 @@ def _trees_with_parameters(world_size: int):
 @tpdp_property(case=_trees_with_parameters, pick=st.integers(0, 10**6))
 def paths_resolve(pool, impl: str, case: TreeCase, pick: int) -> None:
     """Every parameter name resolves to the module and attribute owning it; replacement touches only that slot."""
-    assert_checks(pool.run(observe_paths, case, pick, impl))
+    Verdict.of_ranks(pool.run(observe_paths, case, pick, impl)).raise_if_failed()
 
 
+@observing
 def observe_ignored(case: TreeCase, mask: int, impl_name: str) -> list[Check]:
     """On every rank: localize with some parameters ignored; those stay exactly as they were."""
     from torch.distributed.tensor import DTensor
 
-    from tpdp_verify.impl import load
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.impls.select import load
+    from tpdp_verify.ranks.pool import device_mesh
 
     impl = load(impl_name)
     model = build(case, device_mesh(case.mesh_shape))
@@ -187,4 +192,4 @@ def observe_ignored(case: TreeCase, mask: int, impl_name: str) -> list[Check]:
 @tpdp_property(case=_trees_with_parameters, mask=st.integers(0, 2**24 - 1))
 def ignored_params_untouched(pool, impl: str, case: TreeCase, mask: int) -> None:
     """localize_dtensor(ignored_params=S) leaves every parameter in S, and plain ones, as they were."""
-    assert_checks(pool.run(observe_ignored, case, mask, impl))
+    Verdict.of_ranks(pool.run(observe_ignored, case, mask, impl)).raise_if_failed()

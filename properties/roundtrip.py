@@ -8,12 +8,16 @@ model that DP trains is not the model the user built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from tpdp_verify.compare import Check, assert_checks
-from tpdp_verify.properties.strategies import TensorCase, tensor_cases
-from tpdp_verify.suite import tpdp_property
+from tpdp_verify.cases.tensors import TensorCase
+from tpdp_verify.judging.verdict import Verdict
+from tpdp_verify.properties.strategies import tensor_cases
+from tpdp_verify.ranks.observation import Check, observing
+from tpdp_verify.runner.property import tpdp_property
 
 
 def distributed_param(case: TensorCase, mesh) -> tuple[torch.Tensor, nn.Parameter, torch.Tensor]:
@@ -49,47 +53,69 @@ def gathered_checks(case: TensorCase, full, back, local, layout: list[Check], pr
                   "gathered tensor differs from t"), *_gradient_checks(case, back, local)]
 
 
-def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
-    """On every rank: round-trip a DTensor parameter through the implementation."""
+@dataclass(frozen=True)
+class RoundTrip:
+    """How a family of flatten/unflatten functions names the checks of its round trip
+    (the names are the checks' identifiers in baselines)."""
+
+    flatten: str = "flatten"
+    unflatten: str = "unflatten"
+    info: str = "sharding info"
+    local: str = "local"
+    rebuilt: str = ""  # before the names of the rebuilt DTensor's checks
+    copy_means: str = "DP would update a copy, not the model"
+
+
+def round_trip_checks(case: TensorCase, mesh, flatten, unflatten, names: RoundTrip = RoundTrip(),
+                      more=lambda shard, local, back: []) -> list[Check]:
+    """On every rank: a DTensor parameter through ``flatten`` and back through ``unflatten``;
+    ``more`` adds a family's own checks."""
     from torch.distributed.tensor import DTensor
 
-    from tpdp_verify.impl import load
-    from tpdp_verify.pool import device_mesh
-
-    impl = load(impl_name)
-    mesh = device_mesh(case.mesh_shape)
     full, param, shard = distributed_param(case, mesh)
     shard_requires_grad = shard.requires_grad
 
-    local, info = impl.flatten_tensor(param)
-    back = impl.unflatten_tensor(local, info)
+    local, info = flatten(param)
+    back = unflatten(local, info)
     checks = [
-        Check("flatten returns sharding info", info is not None, f"got {info!r}"),
-        Check("flatten leaves t requiring grad as before", param.requires_grad == case.requires_grad,
+        Check(f"{names.flatten} returns {names.info}", info is not None, f"got {info!r}"),
+        Check(f"{names.flatten} leaves t requiring grad as before", param.requires_grad == case.requires_grad,
               f"t.requires_grad became {param.requires_grad}"),
-        Check("flatten leaves t's shard requiring grad as before", shard.requires_grad == shard_requires_grad,
+        Check(f"{names.flatten} leaves t's shard requiring grad as before", shard.requires_grad == shard_requires_grad,
               f"t's shard requires_grad went {shard_requires_grad} -> {shard.requires_grad}"),
-        Check("local shares storage with t's shard",
+        Check(f"{names.local} shares storage with t's shard",
               local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(),
-              "flatten copied the shard: DP would update a copy, not the model"),
-        Check("local requires_grad", local.requires_grad == case.requires_grad,
+              f"{names.flatten} copied the shard: {names.copy_means}"),
+        Check(f"{names.local} requires_grad", local.requires_grad == case.requires_grad,
               f"local.requires_grad={local.requires_grad}, t.requires_grad={case.requires_grad}"),
-        Check("unflatten returns a DTensor", isinstance(back, DTensor), f"got {type(back).__name__}"),
+        Check(f"{names.unflatten} returns a DTensor", isinstance(back, DTensor), f"got {type(back).__name__}"),
     ]
     layout = []
     if isinstance(back, DTensor):
-        layout = layout_checks(case, mesh, param, back)
+        layout = layout_checks(case, mesh, param, back, names.rebuilt)
         checks += layout + [
-            Check("requires_grad", back.requires_grad == case.requires_grad,
-                  f"unflatten(flatten(t)).requires_grad={back.requires_grad}, t.requires_grad={case.requires_grad}"),
-            Check("local data", torch.equal(back.to_local(), shard), "the shard's values changed"),
+            Check(f"{names.rebuilt}requires_grad", back.requires_grad == case.requires_grad,
+                  f"{names.unflatten}({names.flatten}(t)).requires_grad={back.requires_grad}, "
+                  f"t.requires_grad={case.requires_grad}"),
+            Check(f"{names.rebuilt}local data", torch.equal(back.to_local(), shard), "the shard's values changed"),
         ]
-    checks += gathered_checks(case, full, back, local, layout)
+    checks += more(shard, local, back)
+    checks += gathered_checks(case, full, back, local, layout, names.rebuilt)
     plain = full.clone()
-    out, plain_info = impl.flatten_tensor(plain)
-    checks.append(Check("flatten of a plain tensor is the identity", out is plain and plain_info is None,
+    out, plain_info = flatten(plain)
+    checks.append(Check(f"{names.flatten} of a plain tensor is the identity", out is plain and plain_info is None,
                         f"got {type(out).__name__} and {plain_info!r}"))
     return checks
+
+
+@observing
+def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
+    """On every rank: round-trip a DTensor parameter through the implementation."""
+    from tpdp_verify.impls.select import load
+    from tpdp_verify.ranks.pool import device_mesh
+
+    impl = load(impl_name)
+    return round_trip_checks(case, device_mesh(case.mesh_shape), impl.flatten_tensor, impl.unflatten_tensor)
 
 
 def all_ranks(flag: bool) -> bool:
@@ -119,4 +145,4 @@ def _gradient_checks(case: TensorCase, back, local) -> list[Check]:
 @tpdp_property(case=lambda world_size: tensor_cases(world_size, max_mesh_dims=2))
 def flatten_roundtrip(pool, impl: str, case: TensorCase) -> None:
     """unflatten(flatten(t)) equals t: mesh, placements, shape, stride, dtype, requires_grad, data, gradient flow."""
-    assert_checks(pool.run(observe_roundtrip, case, impl))
+    Verdict.of_ranks(pool.run(observe_roundtrip, case, impl)).raise_if_failed()

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for DTensor cases: plain, printable, picklable data.
+"""Hypothesis strategies for DTensor cases (tpdp_verify.cases.tensors).
 
 A drawn case prints as a constructor call, so a falsifying example replays by pasting it
 (``from torch.distributed.tensor import Shard, Replicate``).
@@ -6,31 +6,13 @@ A drawn case prints as a constructor call, so a falsifying example replays by pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+from tpdp_verify.cases.tensors import FSDPCase, TensorCase
 
-
-@dataclass(frozen=True)
-class TensorCase:
-    """One DTensor parameter: where it lives, how it is laid out, what it holds."""
-
-    mesh_shape: tuple[int, ...]
-    placements: tuple[Placement, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    seed: int
-
-    def full(self) -> torch.Tensor:
-        """The global tensor, identical on every rank (seeded, float64 then cast)."""
-        gen = torch.Generator().manual_seed(self.seed)
-        return torch.randn(self.shape, generator=gen, dtype=torch.float64).to(self.dtype)
+TENSOR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def mesh_shapes(world_size: int, max_dims: int = 2) -> st.SearchStrategy[tuple[int, ...]]:
@@ -58,40 +40,13 @@ def tensor_cases(draw, world_size: int, max_mesh_dims: int = 1) -> TensorCase:
         mesh_shape=mesh_shape,
         placements=placements,
         shape=shape,
-        dtype=draw(st.sampled_from(DTYPES)),
+        dtype=draw(st.sampled_from(TENSOR_DTYPES)),
         requires_grad=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
 
-def shards_unevenly(case: TensorCase) -> bool:
-    """Whether some sharded dim does not divide by its mesh dimension."""
-    return any(
-        isinstance(p, Shard) and case.shape[p.dim] % n
-        for p, n in zip(case.placements, case.mesh_shape)
-    )
-
-
 # -- FSDP1's tensor-parallel extension ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FSDPCase:
-    """A parameter as FSDP1 on a device mesh sees it: the root mesh is (dp, tp) or HSDP's
-    (replicate, shard, tp); the parameter is a DTensor on the tp dim with ``tp_placement``,
-    or a plain tensor (a layer the TP plan left alone) when that is None."""
-
-    mesh_shape: tuple[int, ...]
-    tp_placement: Placement | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    seed: int
-
-    full = TensorCase.full  # the same seeded global tensor as a TensorCase's
-
-    @property
-    def mesh_names(self) -> tuple[str, ...]:
-        return ("dp", "tp") if len(self.mesh_shape) == 2 else ("replicate", "shard", "tp")
 
 
 def factorizations(world_size: int, ndim: int) -> list[tuple[int, ...]]:
@@ -116,6 +71,6 @@ def fsdp_cases(draw, world_size: int, mesh_dims: tuple[int, ...] = (2, 3)) -> FS
         mesh_shape=mesh_shape,
         tp_placement=draw(tp),
         shape=shape,
-        dtype=draw(st.sampled_from(DTYPES)),
+        dtype=draw(st.sampled_from(TENSOR_DTYPES)),
         seed=draw(st.integers(0, 2**16)),
     )

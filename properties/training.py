@@ -9,18 +9,16 @@ what training should have produced.
 from __future__ import annotations
 
 import functools
+
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from tpdp_verify.cases import BUILT, DDP_ENTRIES, DTYPES, ENTRIES, OPTIMIZERS, DDPOptions, TrainCase
-from tpdp_verify.compare import Check
-from tpdp_verify.execute import observe, observe_both
+from tpdp_verify.cases.training import BUILT, DDP_ENTRIES, ENTRIES, OPTIMIZERS, TRAIN_DTYPES, DDPOptions, TrainCase
 from tpdp_verify.fixtures.zoo import ZOO
-from tpdp_verify.oracles.single_device import oracle
+from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import OUTSIDE_CONTRACT, empty_width, needs_find_unused
-from tpdp_verify.suite import tpdp_property, worth_explaining
-from tpdp_verify.verdict import Verdict, assemble, judge, localize
+from tpdp_verify.runner.property import tpdp_property, worth_explaining
 
 # 1e-6 MB is a few bytes: every gradient gets a bucket of its own, the most buckets DDP makes.
 BUCKET_CAPS = (None, 1e-6, 1e-4)
@@ -44,13 +42,13 @@ def meshes(world_size: int) -> list[tuple[int, int]]:
 # entry_points_train_like_one_device's: replicate with a mesh never trains; an optimizer
 # built before wrapping holds the DTensors the transform swapped out; DDP's static graph
 # with no_sync crashes without TP too; FSDP1 departs in several ways of its own making.
-SOUND = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard"), built=("after_wrap", "after_forward"),
+SOUND_TRAINING = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard"), built=("after_wrap", "after_forward"),
              static_graph=(False,))
 
 
 def sound(case: TrainCase) -> bool:
-    return (case.entry in SOUND["entries"] and case.built in SOUND["built"]
-            and case.ddp.static_graph in SOUND["static_graph"])
+    return (case.entry in SOUND_TRAINING["entries"] and case.built in SOUND_TRAINING["built"]
+            and case.ddp.static_graph in SOUND_TRAINING["static_graph"])
 
 
 def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
@@ -109,34 +107,8 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
         accumulate=draw(st.integers(1, 2)),
         local_batch=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**16)),
-        dtype=draw(st.sampled_from(DTYPES)),
+        dtype=draw(st.sampled_from(TRAIN_DTYPES)),
     )
-
-
-def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
-    """Run the case again with every module's output recorded, to name where it departs,
-    and without TP through the same entry point, to say whether DP alone departs too."""
-    from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
-
-    traces = pool.run(observe, case, impl, True)
-    if not any(t.error for t in traces):
-        baseline, shadow = oracle(case, capture=True)
-        verdict.first_module = localize(traces, case, baseline, shadow)
-    plain, checks = assemble(case, pool.run(observe_plain_ddp, case))
-    alone = judge(case, plain, *oracle(case))
-    alone.checks[:0] = checks
-    verdict.plain_ddp = "trains like one device: the departure is TP+DP's" if alone.ok else \
-        f"departs too ({alone.kind}): the departure is {case.entry}'s own"
-
-
-def verdict_one_device(pool, impl: str, case: TrainCase) -> Verdict:
-    whole, checks = assemble(case, pool.run(observe, case, impl))
-    baseline, shadow = oracle(case)
-    verdict = judge(case, whole, baseline, shadow)
-    verdict.checks[:0] = checks
-    if not verdict.ok and worth_explaining(verdict.signature):
-        _explain(verdict, pool, impl, case)
-    return verdict
 
 
 _FIND = settings(database=None, derandomize=True, max_examples=500, phases=[Phase.generate, Phase.shrink],
@@ -166,7 +138,7 @@ def every_model(strategies: dict) -> list[dict]:
 
 
 def sound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    return train_cases(world_size, **SOUND)
+    return train_cases(world_size, **SOUND_TRAINING)
 
 
 def unsound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
@@ -176,28 +148,13 @@ def unsound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 @tpdp_property(min_world_size=2, cover=every_model, case=sound_cases)
 def trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
     """TP+DP over K steps matches the unsharded model on one device: outputs, gradients, parameters, optimizer state."""
-    verdict_one_device(pool, impl, case).raise_if_failed()
+    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=unsound_cases)
 def entry_points_train_like_one_device(pool, impl: str, case: TrainCase) -> None:
     """The same, where torch's entry points depart whatever the transform: replicate, FSDP1, early optimizers, static graphs."""
-    verdict_one_device(pool, impl, case).raise_if_failed()
-
-
-def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
-    traces = pool.run(observe_both, case, impl)
-    tpdp, tp_checks = assemble(case, [t for t, _ in traces])
-    plain, plain_checks = assemble(case, [p for _, p in traces])
-    _, shadow = oracle(case)
-    if plain.error:  # plain DDP refuses the case: TP+DP must refuse it the same way
-        return Verdict([Check("refuses what plain DDP refuses", bool(tpdp.error),
-                              f"plain DDP raised {plain.error!r}; TP+DP {tpdp.error or 'trained'}")],
-                       against="plain DDP")
-    assert all(c.ok for c in plain_checks), "plain DDP's own replicas disagree: " + str(plain_checks)
-    verdict = judge(case, tpdp, plain, shadow, against="plain DDP")
-    verdict.checks[:0] = tp_checks
-    return verdict
+    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=sound_cases)

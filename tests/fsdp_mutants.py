@@ -1,13 +1,13 @@
 """Deliberately broken FSDP extensions: each must be caught by the FSDP extension properties.
 
 Each class is an implementation under test (``load_fsdp("fsdp_mutants.Name")``) that
-breaks one clause of the contract in tpdp_verify/fsdp_extension.py and keeps the rest;
+breaks one clause of the contract in tpdp_verify/impls/fsdp_extension.py and keeps the rest;
 ``caught_by`` names the check that must fail, ``prop`` the property that makes it.
 """
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tpdp_verify.fsdp_extension import FSDPExtension
+from tpdp_verify.impls.fsdp_extension import FSDPExtension
 
 
 class CopiesLocal(FSDPExtension):

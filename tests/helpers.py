@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from tpdp_verify.suite import Stats
-from tpdp_verify.verdict import Divergence
+from tpdp_verify.judging.divergence import Divergence
+from tpdp_verify.runner.property import Stats
 
 
 def alive(pid: int) -> bool:

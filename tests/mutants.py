@@ -1,13 +1,13 @@
 """Deliberately broken transforms: each must be caught by the properties.
 
 Each class is an implementation under test (``--impl mutants.Name``) that breaks one
-clause of the contract in tpdp_verify/transform.py and keeps the rest.
+clause of the contract in tpdp_verify/impls/transform.py and keeps the rest.
 """
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpdp_verify import transform
+from tpdp_verify.impls import transform
 
 
 class Reference(transform.Transform):

@@ -12,7 +12,7 @@ import sys
 import torch.distributed as dist
 import rank_fns
 from tpdp_verify.errors import RankFailed
-from tpdp_verify.pool import RankPool
+from tpdp_verify.ranks.pool import RankPool
 
 pool = RankPool()
 assert pool.attached and pool.pids == []
@@ -30,17 +30,23 @@ pool.close()
 """
 
 
-@pytest.mark.timeout(180)
-def test_pool_runs_on_the_torchrun_group(tmp_path):
-    script = tmp_path / "attached.py"
-    script.write_text(SCRIPT)
+def torchrun(code: str, ranks: int, tmp_path: Path) -> None:
+    """Run ``code`` as a script under torchrun with ``ranks`` ranks (tests/ importable);
+    it gets ``tmp_path`` as its argument, to write one file a rank."""
+    script = tmp_path / "script.py"
+    script.write_text(code)
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
          str(script), str(tmp_path)],
         capture_output=True, text=True, timeout=150,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_pool_runs_on_the_torchrun_group(tmp_path):
+    torchrun(SCRIPT, 4, tmp_path)
     for rank in range(4):
         line = (tmp_path / f"rank{rank}.txt").read_text()
         assert line == (f"rank {rank}: [0, 1, 2, 3] 6.0 (True, ('dp', 'tp'), 2) | "
@@ -49,7 +55,7 @@ def test_pool_runs_on_the_torchrun_group(tmp_path):
 
 def test_world_size_must_match_the_launcher(monkeypatch):
     from tpdp_verify.errors import UsageError
-    from tpdp_verify.pool import RankPool
+    from tpdp_verify.ranks.pool import RankPool
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -73,15 +79,7 @@ with open(f"{sys.argv[1]}/rank{os.environ['RANK']}.txt", "w") as f:
 @pytest.mark.timeout(180)
 def test_verify_plan_runs_on_the_torchrun_group(tmp_path):
     """docs/torchrun.md: the same call under torchrun, every rank the same report."""
-    script = tmp_path / "plan.py"
-    script.write_text(PLAN_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=150,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    torchrun(PLAN_SCRIPT, 2, tmp_path)
     lines = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)}
     assert len(lines) == 1, lines
     ok, compared = lines.pop().split()

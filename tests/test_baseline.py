@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from tpdp_verify import baseline
-from tpdp_verify.cases import TrainCase
+from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
 from tpdp_verify.fixtures.zoo import Size
-from tpdp_verify.gate import Finding, Outcome
+from tpdp_verify.runner import baseline
+from tpdp_verify.runner.gate import Finding, Outcome
 
 CASE = TrainCase(model="frozen", size=Size(dim=3), mesh_shape=(2, 1))
 REGISTRY, GRADIENT = "check:parameters-stay-registered-in-order", "value:gradient"
@@ -52,7 +52,7 @@ def test_a_run_is_sorted_into_known_new_changed_fixed_and_not_run():
     assert [k.property for k in j.fixed] == ["d"] and [k.property for k in j.not_run] == ["e"]
     assert reran == ["b", "c", "d"] and j.blocks
     assert [o.status for o in run] == ["known", "diverges", "known", "diverges", "pass"]
-    text = baseline.report(j, {"torch": "2.13.0", "profile": "ci"}, "b.json")
+    text = baseline.judgement_report(j, {"torch": "2.13.0", "profile": "ci"}, "b.json")
     assert "1 new, 1 changed, 1 fixed, 2 known: blocks" in text
 
 
@@ -135,7 +135,7 @@ def test_known_divergences_md_lists_every_entry_of_the_shipped_baseline():
     doc = (Path(__file__).parent.parent / "docs" / "known-divergences.md").read_text()
     _, known = baseline.load("torch-2.13.0")
     missing = [k.key for k in known if f"### `{k.property}` (world size {k.world_size}): {k.kind}" not in doc]
-    assert not missing, f"regenerate with python -m tpdp_verify.baseline: {missing}"
+    assert not missing, f"regenerate with python -m tpdp_verify.runner.baseline: {missing}"
 
 
 @pytest.mark.timeout(600)

@@ -6,11 +6,10 @@ import time
 import warnings
 
 import pytest
-from helpers import divergences
 
-from tpdp_verify import profiles
-from tpdp_verify.cases import TrainCase
+from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
+from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.properties.checkpoint import (
     checkpoint_cases,
     checkpoint_resumes,
@@ -18,7 +17,10 @@ from tpdp_verify.properties.checkpoint import (
     entry_points_state_dict_like_unsharded,
     state_dict_like_unsharded,
 )
-from tpdp_verify.verdict import Divergence
+from tpdp_verify.runner import profiles
+
+from helpers import divergences
+
 
 def quick(profile: profiles.Profile) -> profiles.Profile:
     """At most the smoke profile's examples: a checkpoint example trains, saves, builds a

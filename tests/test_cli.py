@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tpdp_verify.gate import _heartbeat
 from tpdp_verify.properties import (
     ALL,
     all_gather_dtensor_full,
@@ -21,8 +20,8 @@ from tpdp_verify.properties import (
     entry_points_state_dict_like_unsharded,
     entry_points_train_like_one_device,
 )
-from tpdp_verify.suite import Stats
-
+from tpdp_verify.runner.gate import _heartbeat
+from tpdp_verify.runner.property import Stats
 
 # What the smoke gate finds on torch 2.13.0 (docs/known-divergences.md): every property
 # diverges but all_gather_dtensor_full. With the reference transform, only torch's entry
@@ -67,7 +66,7 @@ def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_s
     section = out.stdout.split("== flatten_roundtrip (world size 2): diverges\n", 1)[1].splitlines()
     assert section[1].startswith("found: ") and section[2].startswith("signature: check:")
     found = section[3]
-    assert found.startswith("tpdp_verify.verdict.") and found in replayed.stderr, (found, replayed.stderr)
+    assert found.startswith("tpdp_verify.judging.divergence.") and found in replayed.stderr, (found, replayed.stderr)
 
 
 @pytest.mark.timeout(900)
@@ -87,13 +86,26 @@ def test_gate_against_the_reference_passes_every_property_of_the_transform():
     [(["--impl", "no_such_pkg.transform"],
       "tpdp-verify: error: implementation 'no_such_pkg.transform' does not import"),
      (["--impl", "json"], "tpdp-verify: error: implementation 'json' lacks flatten_tensor, unflatten_tensor, "),
-     (["--profile", "nightly"], "invalid choice: 'nightly'")],
+     (["--profile", "nightly"], "invalid choice: 'nightly'"),
+     (["--suite", "no_such_suite"], "tpdp-verify: error: no suite module 'no_such_suite'"),
+     (["--suite", "json"], "tpdp-verify: error: json has no ALL, a tuple of tpdp_verify properties")],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     out = gate(*args)
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_suite_of_ones_own_runs_by_its_module_name(tmp_path):
+    """The gate runs the properties a user's module lists, and only those."""
+    (tmp_path / "my_suite.py").write_text("from tpdp_verify.properties import flatten_roundtrip\n"
+                                          "ALL = (flatten_roundtrip,)\n")
+    out = gate("--suite", "my_suite", "--impl", "reference", "--json", "gate.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = json.loads((tmp_path / "gate.json").read_text())
+    assert [p["name"] for p in record["properties"]] == ["flatten_roundtrip"] and not record["not_searched"]
+    assert record["properties"][0]["drawn"] >= 10
 
 
 def test_console_script_is_installed():
@@ -228,8 +240,8 @@ def test_a_long_property_says_it_still_runs():
 
 def test_ranks_that_will_not_start_still_leave_the_files(tmp_path, monkeypatch, capsys):
     from tpdp_verify import cli as cli_mod
-    from tpdp_verify import gate as gate_mod
     from tpdp_verify.errors import PoolError
+    from tpdp_verify.runner import gate as gate_mod
 
     def cut_short(*args, **kwargs):  # world size 2 ran, world size 4's ranks did not start
         yield gate_mod.Outcome("flatten_roundtrip", 2, "pass", 1.0, Stats(10, 10), backend="gloo")
@@ -295,7 +307,7 @@ def test_an_internal_error_exits_3_with_one_line_and_a_log(tmp_path, monkeypatch
 
     from tpdp_verify import cli as cli_mod
     from tpdp_verify import properties
-    from tpdp_verify.suite import tpdp_property
+    from tpdp_verify.runner.property import tpdp_property
 
     broken = tpdp_property(n=st.integers(0, 3))(_broken_judge)
     monkeypatch.setattr(properties, "ALL", (broken,))

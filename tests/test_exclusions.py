@@ -11,13 +11,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-from tpdp_verify.cases import BUILT
+from tpdp_verify.cases.training import BUILT
 from tpdp_verify.fixtures.zoo import ZOO
 from tpdp_verify.properties import ALL, EXCLUSIONS
-from tpdp_verify.properties.exclusions import VOCAB_MODELS, as_records, summary_lines
+from tpdp_verify.properties.exclusions import VOCAB_MODELS
 from tpdp_verify.properties.modules import module_trees
 from tpdp_verify.properties.strategies import fsdp_cases
 from tpdp_verify.properties.training import train_cases
+from tpdp_verify.runner.suite import load as load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 PROPERTIES = {p.name: p for p in ALL}
@@ -119,7 +120,8 @@ def test_the_properties_never_draw_it(exclusion):
 
 
 def test_summary_and_records():
-    lines, records = summary_lines(), as_records()
+    suite = load_suite()
+    lines, records = suite.summary_lines(), suite.exclusion_records()
     assert len(lines) == len(records) == len(EXCLUSIONS)
     for x, line, record in zip(EXCLUSIONS, lines, records):
         assert line == f"not searched: {x.name} ({', '.join(x.applies_to)}): {x.reason} [{x.doc}]"

@@ -1,13 +1,14 @@
 """The model zoo: every fixture builds, is deterministic, draws valid sizes, and its TP plan
 trains exactly like the unsharded model on real 2- and 4-rank gloo pools."""
 
-import fixture_rank_fns
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpdp_verify.fixtures import ZOO, Fixture, Size
+
+import fixture_rank_fns
 
 NAMES = list(ZOO)
 FAST = settings(max_examples=10, derandomize=True, database=None, deadline=None)

@@ -3,20 +3,22 @@ are found and shrunk as docs/properties.md records them, and every mutant is cau
 
 import time
 
-import fsdp_mutants
 import pytest
 import torch
 from hypothesis import given, settings
 from torch.distributed.tensor import Replicate, Shard
 
+from tpdp_verify.cases.tensors import FSDPCase
 from tpdp_verify.properties.fsdp_extension import (
     all_gather_dtensor_full,
     chunk_dtensor_layout,
     chunk_tensor_metadata,
     fsdp_flatten_roundtrip,
 )
-from tpdp_verify.properties.strategies import FSDPCase, fsdp_cases
-from tpdp_verify.suite import Stats
+from tpdp_verify.properties.strategies import fsdp_cases
+from tpdp_verify.runner.property import Stats
+
+import fsdp_mutants
 
 PROPERTIES = {p.name: p for p in (fsdp_flatten_roundtrip, chunk_dtensor_layout, all_gather_dtensor_full,
                                   chunk_tensor_metadata)}

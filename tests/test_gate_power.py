@@ -10,11 +10,12 @@ must catch it, at world size 2 with the ci profile's budget.
 import dataclasses
 
 import pytest
-import torch_mutants
 
-from tpdp_verify import baseline, profiles
-from tpdp_verify.gate import check_property
 from tpdp_verify.properties import ignored_params_untouched, trains_like_one_device
+from tpdp_verify.runner import baseline, profiles
+from tpdp_verify.runner.gate import check_property
+
+import torch_mutants
 
 
 def judged(outcome, prop):

@@ -8,11 +8,12 @@ import textwrap
 import time
 
 import pytest
+
 from helpers import wait_gone
 
 POOL_SCRIPT = """
 import sys, time
-from tpdp_verify.pool import RankPool
+from tpdp_verify.ranks.pool import RankPool
 if __name__ == "__main__":
     pool = RankPool(2, "gloo")
     print(" ".join(map(str, pool.pids)), flush=True)

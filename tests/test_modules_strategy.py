@@ -7,19 +7,17 @@ import torch
 from hypothesis import given, settings
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tpdp_verify.properties.modules import (
-    KINDS,
+from tpdp_verify.cases.trees import (
     Node,
     ParamSpec,
     TreeCase,
-    build,
     count_params,
     depth,
-    module_trees,
     named_param_specs,
     nodes,
     param_paths,
 )
+from tpdp_verify.properties.modules import KINDS, build, module_trees
 
 REPLAY = {"TreeCase": TreeCase, "Node": Node, "ParamSpec": ParamSpec, "Shard": Shard, "Replicate": Replicate}
 
@@ -77,7 +75,7 @@ def test_the_strategy_reaches_every_feature():
 
 def check_built_model(case: TreeCase) -> list[str]:
     """On every rank: build the case and compare the model with what the data says."""
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.ranks.pool import device_mesh
 
     mesh = device_mesh(case.mesh_shape)
     model = build(case, mesh)

@@ -6,12 +6,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tpdp_verify import outputs, profiles
+from tpdp_verify import outputs
 from tpdp_verify.errors import UsageError
-from tpdp_verify.gate import Finding, Outcome
-from tpdp_verify.suite import Stats
+from tpdp_verify.runner import profiles
+from tpdp_verify.runner.gate import Finding, Outcome
+from tpdp_verify.runner.property import Stats
 
-FAILURE = "tpdp_verify.verdict.Diverged: 2 of 9 values beyond their bound\nFalsifying example: f(case=1)"
+FAILURE = "tpdp_verify.judging.divergence.Diverged: 2 of 9 values beyond their bound\nFalsifying example: f(case=1)"
 SIGNATURE = ("check:parameters-stay-registered-in-order", "value:gradient")
 OUTCOMES = [
     Outcome("passes", 4, "pass", 1.25, Stats(examples=40, passed=40, drawn=40), backend="gloo", wanted=40),

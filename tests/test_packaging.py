@@ -26,7 +26,7 @@ def test_wheel_holds_one_namespace_and_both_entry_points(tmp_path):
                     str(ROOT)], check=True, timeout=280)
     (wheel,) = tmp_path.glob("tpdp_verify-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for expected in ["tpdp_verify/pool.py", "tpdp_verify/oracles/__init__.py",
+    for expected in ["tpdp_verify/ranks/pool.py", "tpdp_verify/oracles/__init__.py",
                      "tpdp_verify/properties/roundtrip.py", "tpdp_verify/fixtures/__init__.py",
                      "tpdp_verify/baselines/torch-2.13.0.json"]:
         assert expected in names

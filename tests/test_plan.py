@@ -8,7 +8,7 @@ import torch
 import user_models as um
 
 from tpdp_verify import UsageError, verify_plan
-from tpdp_verify.pool import RankPool
+from tpdp_verify.ranks.pool import RankPool
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
 def test_hypothesis_prints_a_user_case_without_the_user_model():
     from hypothesis.vendor.pretty import pretty
 
-    from tpdp_verify.cases import TrainCase
+    from tpdp_verify.cases.training import TrainCase
 
     text = pretty(TrainCase(user=um.make_mlp))
     assert "user" not in text and text.startswith("TrainCase(model='mlp',") and "dtype='float32'" in text

@@ -6,12 +6,13 @@ import threading
 import time
 
 import pytest
-import rank_fns
 import torch
-from helpers import alive, wait_gone
 
 from tpdp_verify.errors import RankDied, RankFailed, RankTimeout, UsageError
-from tpdp_verify.pool import BASELINE_CALL, RankPool
+from tpdp_verify.ranks.pool import BASELINE_CALL, RankPool
+
+import rank_fns
+from helpers import alive, wait_gone
 
 TIMEOUT = 4.0
 

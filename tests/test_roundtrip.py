@@ -3,12 +3,14 @@ found and shrunk, and every mutant is caught."""
 
 import time
 
-import mutants
 import pytest
-from helpers import divergences, the_one
 
+from tpdp_verify.cases.tensors import TensorCase, shards_unevenly
 from tpdp_verify.properties import flatten_roundtrip
-from tpdp_verify.properties.strategies import TensorCase, shards_unevenly, tensor_cases
+from tpdp_verify.properties.strategies import tensor_cases
+
+import mutants
+from helpers import divergences, the_one
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

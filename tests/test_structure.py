@@ -4,11 +4,12 @@ are found and shrunk, and a mutant of every clause of the module transform is ca
 import time
 import traceback
 
-import mutants
 import pytest
-from helpers import divergences, the_one
 
 from tpdp_verify.properties import ignored_params_untouched, paths_resolve, registry_preserved
+
+import mutants
+from helpers import divergences, the_one
 
 STRUCTURAL = [paths_resolve, registry_preserved, ignored_params_untouched]
 

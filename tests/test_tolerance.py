@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpdp_verify.tolerance import SAFETY, bound, error
+from tpdp_verify.judging.tolerance import SAFETY, bound, error
 
 SETTINGS = settings(max_examples=200, derandomize=True, database=None, deadline=None)
 

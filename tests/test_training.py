@@ -5,25 +5,25 @@ found and shrunk, and every training mutant is caught within a minute."""
 import dataclasses
 import time
 
-import mutants
 import pytest
-from helpers import divergences
 
 from tpdp_verify.fixtures import ZOO
 from tpdp_verify.properties.training import (
-    SOUND,
+    SOUND_TRAINING,
     entry_points_train_like_one_device,
     train_cases,
     trains_like_one_device,
     trains_like_plain_ddp,
 )
 
+import mutants
+from helpers import divergences
 
 FSDP1_MODELS = tuple(m for m in ZOO if m not in ("tied", "frozen", "unused"))
 
 
 def narrowed(prop, **narrower):
-    return prop.drawing(case=lambda ws: train_cases(ws, **{**SOUND, **narrower}))
+    return prop.drawing(case=lambda ws: train_cases(ws, **{**SOUND_TRAINING, **narrower}))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from tpdp_verify import transform
+from tpdp_verify.impls import transform
 
 
 def model():

@@ -3,7 +3,7 @@ _data_parallel_utils.py), each the way a real regression in torch would change i
 
 Each class is an implementation under test (``--impl torch_mutants.Name`` with tests/ on
 sys.path, as tests/mutants.py is used, or ``tests.torch_mutants.Name`` from the repository
-root): an instance exposes every function in ``tpdp_verify.impl.FUNCTIONS``, torch's own
+root): an instance exposes every function in ``tpdp_verify.impls.select.FUNCTIONS``, torch's own
 function object for all but one. ``impl.installed`` points torch's call sites (ddp's and
 _data_parallel_utils' module globals) at the instance's functions, so torch's unchanged
 ``_reconstruct_dtensor``, ``_localize_dtensor`` and ``_pre_dp_module_transform``, which
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import _data_parallel_utils as _dpu
 from torch.distributed.tensor.parallel import ddp as _ddp
 
-from tpdp_verify.impl import FUNCTIONS
+from tpdp_verify.impls.select import FUNCTIONS
 
 
 def _torch_originals() -> dict:

@@ -1,11 +1,12 @@
 """tpdp-verify: know that tensor parallelism composed with data parallelism trains exactly
 like the unsharded model.
 
-``verify_plan`` checks a user's model and TP plan; ``Report`` is what it returns. Both load
-on first use, so importing the package (as pytest does for the plugin) does not import torch.
+``verify_plan`` checks a user's model and TP plan; ``Report`` is what it returns;
+``RankPool`` runs functions on real ranks. They load on first use, so importing the package
+(as pytest does for the plugin) does not import torch.
 """
 
-__all__ = ["Report", "UsageError", "verify_plan"]
+__all__ = ["RankPool", "Report", "UsageError", "verify_plan"]
 
 
 def __getattr__(name: str):
@@ -17,6 +18,10 @@ def __getattr__(name: str):
         from tpdp_verify.report import Report
 
         return Report
+    if name == "RankPool":
+        from tpdp_verify.ranks.pool import RankPool
+
+        return RankPool
     if name == "UsageError":
         from tpdp_verify.errors import UsageError
 

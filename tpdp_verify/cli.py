@@ -7,8 +7,8 @@ import argparse
 import sys
 import time
 
-from tpdp_verify import profiles
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
+from tpdp_verify.runner import profiles
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--update-baseline", action="store_true",
                       help="write this run's divergences to --baseline FILE as the known ones (each "
                       "property searches on past every failure it finds, so this takes longer)")
+    gate.add_argument("--suite", default="tpdp_verify.properties", metavar="MODULE",
+                      help="the module whose ALL lists the properties to run (default: tpdp-verify's own)")
     gate.add_argument("--seed", type=int, help="draw other cases than the profile's fixed ones "
                       "(default: the same cases on every run and machine)")
     _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
@@ -92,9 +94,10 @@ def _gate(args: argparse.Namespace) -> int:
     files = _outputs(args, "json", "junit", "markdown")  # before torch loads: fail fast
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
-    from tpdp_verify import baseline, outputs
-    from tpdp_verify.gate import InternalError, exit_code, iter_gate, rerunner, summary
-    from tpdp_verify.properties import ALL, exclusions
+    from tpdp_verify import outputs
+    from tpdp_verify.runner import baseline
+    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
+    from tpdp_verify.runner.suite import load as load_suite
 
     known = None
     if args.update_baseline:
@@ -103,22 +106,23 @@ def _gate(args: argparse.Namespace) -> int:
         known = baseline.load(args.baseline)  # a bad file fails now
 
     profile = profiles.get(args.profile)
+    suite = load_suite(args.suite)
     started, start, outcomes = outputs.now(), time.monotonic(), []
     judged = None
 
     def record(code: int, error: str = "") -> dict:
         return outputs.gate_record(outcomes, profile, args.impl, args.backend, time.monotonic() - start,
                                    code, started, error, baseline=args.baseline if known else "",
-                                   judged=judged, excluded=exclusions.as_records(), seed=args.seed)
+                                   judged=judged, excluded=suite.exclusion_records(), seed=args.seed)
 
     try:
-        for outcome in iter_gate(ALL, profile, args.impl, args.backend, args.timeout,
+        for outcome in iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
                                  progress=lambda line: print(line, flush=True),
                                  known=baseline.known_parts(known[1]) if known else None,
                                  learn=args.update_baseline, seed=args.seed):
             outcomes.append(outcome)
         if known:
-            with rerunner(ALL, args.impl, args.backend, args.timeout) as rerun:
+            with rerunner(suite.properties, args.impl, args.backend, args.timeout) as rerun:
                 judged = baseline.judge(outcomes, known[1], rerun)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
         outputs.write(files, record(EXIT_INFRA, str(exc)))
@@ -129,7 +133,7 @@ def _gate(args: argparse.Namespace) -> int:
         print(f"tpdp-verify: internal error: {exc}; the traceback is in {log}", file=sys.stderr)
         return EXIT_INFRA
     print()
-    print(summary(outcomes, profile, args.impl, time.monotonic() - start, exclusions.summary_lines()))
+    print(summary(outcomes, profile, args.impl, time.monotonic() - start, suite.summary_lines()))
     code = exit_code(outcomes)
     if args.update_baseline and code != EXIT_INFRA:
         count = baseline.write(args.baseline, outcomes, profile.name, args.impl)
@@ -137,7 +141,7 @@ def _gate(args: argparse.Namespace) -> int:
         code = EXIT_OK
     elif judged is not None:
         print()
-        print(baseline.report(judged, known[0], args.baseline))
+        print(baseline.judgement_report(judged, known[0], args.baseline))
     outputs.write(files, record(code))  # with divergences too: they are what CI shows
     return code
 
@@ -188,7 +192,6 @@ def _named(path: str, what: str):
 def _plan(args: argparse.Namespace) -> int:
     files = _outputs(args, "json")
     from tpdp_verify import outputs
-    from tpdp_verify.errors import EXIT_DIVERGENCE
     from tpdp_verify.plan import verify_plan
 
     model_fn = _named(args.model, "the model")

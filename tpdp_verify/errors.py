@@ -3,7 +3,7 @@
 Exit codes (documented in docs/cli.md): 0 every check passed, 1 a divergence was
 found, 2 usage or input error, 3 infrastructure failure (the harness itself: ranks that would not start, a check the
 ranks could not run, an internal error of tpdp-verify). Ranks that crash or hang while
-the code under test runs are a finding (tpdp_verify.suite.finding), so exit 1.
+the code under test runs are a finding (tpdp_verify.runner.property.finding), so exit 1.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
     """
     import torch
 
-    from tpdp_verify.gate import report
+    from tpdp_verify.runner.gate import outcome_report
 
     return {
         "schema": SCHEMA,
@@ -125,7 +125,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                               "failure": f.failure, "replay": f.replay,
                               "case": {k: repr(v) for k, v in (f.drawn or {}).items()}}
                              for f in o.findings],
-                "report": report(o),
+                "report": outcome_report(o),
             }
             for o in outcomes
         ],
@@ -176,7 +176,7 @@ def to_junit(record: dict) -> str:
         elif p["status"] == "known":
             ET.SubElement(case, "system-out").text = _xml_text(p["report"])
     if error:
-        case = ET.SubElement(suite, "testcase", classname="tpdp_verify.gate", name="run", time="0")
+        case = ET.SubElement(suite, "testcase", classname="tpdp_verify.runner.gate", name="run", time="0")
         ET.SubElement(case, "error", message=_one_line(error), type="infra").text = _xml_text(error)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
@@ -247,7 +247,8 @@ def env_record() -> dict:
     import torch
     import torch.distributed as dist
 
-    from tpdp_verify import impl, profiles
+    from tpdp_verify.impls import select as impl
+    from tpdp_verify.runner import profiles
 
     distributed = dist.is_available()
     cuda = torch.cuda.is_available()

@@ -20,12 +20,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tpdp_verify.cases import DTYPES, DDPOptions, TrainCase
+from tpdp_verify.cases.training import DP, TRAIN_DTYPES, DDPOptions, TrainCase
 from tpdp_verify.errors import UsageError
-
-# verify_plan's names for the DP entry points (tpdp_verify.entries).
-DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
-      "fsdp2": "fully_shard", "fsdp1": "fsdp1"}
 
 
 def name_of(fn) -> str:
@@ -188,9 +184,9 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpdp_verify.execute import MESH_DIMS, plan_for
-    from tpdp_verify.pool import device_mesh
-    from tpdp_verify.training import build, fixture
+    from tpdp_verify.ranks.loop import build, fixture
+    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.tp_dp import MESH_DIMS, plan_for
 
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
     model = build(case)
@@ -217,7 +213,7 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
 def check_on_ranks(pool, case: TrainCase) -> int:
     """Run ``preflight`` on every rank; raise the first problem; return how many plan keys
     were checked. Weights must agree on every rank and with the parent's own build."""
-    from tpdp_verify.training import build
+    from tpdp_verify.ranks.loop import build
 
     replies = pool.run(preflight, case)
     for problems, _ in replies:
@@ -235,9 +231,9 @@ def check_on_ranks(pool, case: TrainCase) -> int:
 
 
 def _plan_keys(case: TrainCase) -> list[str]:
-    from tpdp_verify.execute import MESH_DIMS, plan_for
-    from tpdp_verify.pool import device_mesh
-    from tpdp_verify.training import fixture
+    from tpdp_verify.ranks.loop import fixture
+    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.tp_dp import MESH_DIMS, plan_for
 
     return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, MESH_DIMS)["tp"]))
 
@@ -260,8 +256,8 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     if dp not in DP:
         raise UsageError(f"dp must be one of {', '.join(DP)}, not {dp!r}")
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {name}")
+    if name not in TRAIN_DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(TRAIN_DTYPES)}, not {name}")
     if not isinstance(steps, int) or steps < 1 or not isinstance(accumulate, int) or accumulate < 1:
         raise UsageError(f"steps and accumulate must be positive ints, not {steps!r} and {accumulate!r}")
     batch = 2 * mesh[0] if batch is None else batch
@@ -270,7 +266,7 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     try:
         ddp = DDPOptions(**(ddp_options or {}))
     except TypeError as exc:
-        raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.DDPOptions") from None
+        raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.training.DDPOptions") from None
     user = UserModel(model_fn, plan if callable(plan) else tuple(plan.items()), input_fn, loss_fn,
                      optimizer_fn, loss_parallel)
     return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
@@ -302,8 +298,8 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan, *, mesh: tuple[int, int
     Every callable must be importable by name (module level): the ranks are other processes.
     Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks hang or die.
     """
-    from tpdp_verify.pool import RankPool
-    from tpdp_verify.properties.training import verdict_one_device, verdict_plain_ddp
+    from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
+    from tpdp_verify.ranks.pool import RankPool
     from tpdp_verify.report import Report
 
     case = make_case(model_fn, plan, mesh=mesh, input_fn=input_fn, loss_fn=loss_fn, steps=steps,

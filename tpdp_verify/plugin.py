@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpdp_verify import profiles
-from tpdp_verify.pool import MAX_RSS_GROWTH, RankPool
+from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+from tpdp_verify.runner import profiles
 
 OPTIONS = {
     "world_size": ("2", "ranks of the default pool (the tpdp marker may ask for others)"),
@@ -126,7 +126,7 @@ def tpdp(request: pytest.FixtureRequest, tpdp_pool: RankPool, tpdp_impl: str) ->
 @pytest.fixture(scope="session")
 def tpdp_impl(pytestconfig: pytest.Config) -> str:
     """The name of the implementation under test, checked to import."""
-    from tpdp_verify.impl import load
+    from tpdp_verify.impls.select import load
 
     return load(_option(pytestconfig, "impl")).name
 

@@ -11,9 +11,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.plan import DP
-from tpdp_verify.verdict import Row, Verdict
+from tpdp_verify.cases.training import DP, TrainCase
+from tpdp_verify.judging.verdict import Row, Verdict
 
 # The checks of a report, in the order a reader asks about them; those marked True must
 # compare something, whatever the model.

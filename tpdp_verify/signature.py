@@ -83,21 +83,22 @@ def known(signature: Signature, recorded: set[str]) -> bool:
 # --------------------------------------------------------------------------- exceptions
 
 # tpdp-verify's own code: a frame here is the harness calling the code under test, except
-# for the reference implementations, which are under test when --impl reference is.
+# for the implementations in tpdp_verify/impls/ (the reference transform and FSDP
+# extension), which are under test when --impl reference is.
 _HARNESS = tuple(os.path.dirname(os.path.abspath(m)) + os.sep for m in (
     __file__,
     os.path.join(os.path.dirname(__file__), "..", "properties", "x"),
     os.path.join(os.path.dirname(__file__), "..", "fixtures", "x"),
     os.path.join(os.path.dirname(__file__), "..", "oracles", "x"),
 ))
-_UNDER_TEST = ("transform.py", "fsdp_extension.py")
+_UNDER_TEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "impls") + os.sep
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 def _harness(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path.startswith(_HARNESS):
-        return os.path.basename(path) not in _UNDER_TEST or "properties" in path.split(os.sep)
+        return not path.startswith(_UNDER_TEST)
     return (path.startswith(_STDLIB) and "site-packages" not in path) or "hypothesis" + os.sep in path \
         or filename.startswith("<")
 

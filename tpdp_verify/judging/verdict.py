@@ -1,53 +1,24 @@
 """Judging a TP+DP run against an oracle: every value within its bound, every rank agreeing.
 
 ``assemble`` turns the ranks' traces into one global trace (the dp groups' rows put back
-together) and checks that replicas agree; ``judge`` compares it with a baseline and
+together) and checks that replicas agree; ``judge_training`` compares it with a baseline and
 the float64 shadow, value by value, and returns a ``Verdict`` whose report names what
 departs, by how much, and from which module on.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from tpdp_verify import signature
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.compare import Check
-from tpdp_verify.pieces import merge
-from tpdp_verify.tolerance import Error, bound, error
-from tpdp_verify.training import Trace
-
-
-class Divergence(AssertionError):
-    """TP+DP departs from an oracle.
-
-    Each signature (tpdp_verify.signature: everything that failed) raises a subclass of
-    its own: hypothesis tells bugs apart by the exception's type, so distinct departures
-    are each shrunk and reported instead of the simplest one hiding the rest, and a
-    baseline knows a failure only when it knows every part of it.
-    """
-
-    signature: signature.Signature = ()
-    kinds: tuple[str, ...] = ()  # each part of the signature as a reader says it
-    kind = "departs from the oracle"  # the same, in one line
-
-
-_KINDS: dict[signature.Signature, type[Divergence]] = {}
-
-
-def divergence(parts: signature.Signature) -> type[Divergence]:
-    """The Divergence subclass for a signature, named after its parts:
-    ("check:every-rank-trains", "value:gradient") -> EveryRankTrains+GradientBeyondItsBound."""
-    parts = signature.of(parts)
-    if parts not in _KINDS:
-        name = "+".join(signature.name(p) for p in parts) or "Diverges"
-        kinds = tuple(signature.describe(p) for p in parts)
-        _KINDS[parts] = type(name, (Divergence,), {"signature": parts, "kinds": kinds, "kind": " + ".join(kinds),
-                                                   "__module__": __name__})
-    return _KINDS[parts]
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.judging.divergence import divergence
+from tpdp_verify.judging.tolerance import Error, bound, error
+from tpdp_verify.ranks.loop import Trace
+from tpdp_verify.ranks.observation import Check, Observation
+from tpdp_verify.ranks.pieces import merge_named
 
 
 @dataclass(frozen=True)
@@ -62,13 +33,38 @@ class Row:
 
 @dataclass
 class Verdict:
+    """What every property's run comes to: its checks and compared values, and the report."""
+
     checks: list[Check] = field(default_factory=list)  # exact, structural comparisons
     rows: list[Row] = field(default_factory=list)  # comparisons within a bound
     first_module: str | None = None  # set by localization when values depart
-    against: str = "one device"
+    against: str = "one device"  # the oracle; "" for checks the ranks made themselves
     plain_ddp: str = ""  # on a departure: how the same DP entry point without TP fares
     unobserved: str = ""  # what was not compared, and why
     accumulate: int = 1  # microbatches a step: orders outputs among the steps' values
+
+    @classmethod
+    def of_ranks(cls, observed: list[Observation], minimum: int = 1) -> Verdict:
+        """The checks the ranks made, each failure once with every rank it failed on.
+
+        Fewer than ``minimum`` checks in all fail too: a property that compared nothing
+        cannot have found anything.
+        """
+        compared = sum(len(o.checks) for o in observed)
+        made = [(None, Check(f"compared at least {minimum} item{'s' * (minimum > 1)}", compared >= minimum,
+                             f"the ranks compared {compared}"))]
+        for rank, o in enumerate(observed):
+            made += [(rank, c) for c in o.checks]
+            if o.error:
+                made.append((rank, Check("every rank runs without an exception", False, o.error, o.raised)))
+        merged: dict[tuple[str, bool, str], Check] = {}
+        for rank, c in made:
+            key = (c.name, c.ok, c.part)
+            first = merged.setdefault(key, c)
+            if not c.ok and rank is not None:
+                merged[key] = first._replace(ranks=first.ranks + (rank,))
+        failed = {c.name for c in merged.values() if not c.ok}
+        return cls([c for c in merged.values() if not c.ok or c.name not in failed], against="")
 
     @property
     def failures(self) -> list:
@@ -82,7 +78,7 @@ class Verdict:
     def signature(self) -> signature.Signature:
         """Every failed check, and the kind of value that departs first (the rest follow
         from it: a gradient that departs moves the parameters, then the outputs)."""
-        parts = [c.signature_part for c in self.checks if not c.ok]
+        parts = [c.part or signature.check(c.name) for c in self.checks if not c.ok]
         bad = [r for r in self.rows if not r.err.ok]
         if bad:
             parts.append(signature.value(min(bad, key=lambda r: _order(r, self.accumulate)).what))
@@ -97,17 +93,20 @@ class Verdict:
             raise divergence(self.signature)(self.report())
 
     def report(self, limit: int = 20) -> str:
-        bad_checks = list({c.detail: c for c in self.checks if not c.ok}.values())  # one exception, once
+        bad_checks = list({(c.detail, c.ranks): c for c in self.checks if not c.ok}.values())  # one exception, once
         bad_rows = sorted((r for r in self.rows if not r.err.ok), key=lambda r: (r.step, -r.err.ratio))
-        lines = [f"TP+DP departs from {self.against}: {len(bad_checks)} of {len(self.checks)} checks "
-                 f"and {len(bad_rows)} of {len(self.rows)} values beyond their bound"]
+        if self.against:
+            lines = [f"TP+DP departs from {self.against}: {len(bad_checks)} of {len(self.checks)} checks "
+                     f"and {len(bad_rows)} of {len(self.rows)} values beyond their bound"]
+        else:
+            lines = [f"{len(bad_checks)} of {len(self.checks)} checks failed:"]
         if self.first_module is not None:
             lines.append(f"first module whose output departs (forward order): {self.first_module}")
         if self.plain_ddp:
             lines.append(f"the same DP entry point without TP: {self.plain_ddp}")
         if self.unobserved:
             lines.append(f"not compared: {self.unobserved}")
-        lines += [f"  {c.name}: {c.detail}" for c in bad_checks[:limit]]
+        lines += [f"  {c.name}{_on(c.ranks)}: {c.detail}" for c in bad_checks[:limit]]
         if bad_rows:
             lines.append(f"  {'value':<18}{'step':>5}  {'name':<34}{'max abs':>11}{'max rel':>11}"
                          f"{'bound':>11}{'ratio':>10}")
@@ -117,6 +116,10 @@ class Verdict:
             if len(bad_rows) > limit:
                 lines.append(f"  ... and {len(bad_rows) - limit} more")
         return "\n".join(lines)
+
+
+def _on(ranks: tuple[int, ...]) -> str:
+    return f" (rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})" if ranks else ""
 
 
 # Within an optimizer step, what a departure upstream moves: the forward's outputs and
@@ -137,7 +140,7 @@ def _coords(case: TrainCase, rank: int) -> tuple[int, int]:
     return divmod(rank, case.tp)  # init_device_mesh lays (dp, tp) out row-major
 
 
-def _merged(what: str, per_rank: list[list[dict]], unit: str = "step", first: int = 1
+def _merged_steps(what: str, per_rank: list[list[dict]], unit: str = "step", first: int = 1
             ) -> tuple[list[dict], list[str]]:
     """Each step's global values from the ranks' pieces, and what was wrong with them.
 
@@ -145,12 +148,8 @@ def _merged(what: str, per_rank: list[list[dict]], unit: str = "step", first: in
     """
     steps, problems = [], []
     for step, values in enumerate(zip(*per_rank), first):
-        names = list(dict.fromkeys(n for v in values for n in v))
-        merged = {}
-        for name in names:
-            merged[name], problem = merge([v.get(name) for v in values])
-            if problem:
-                problems.append(f"{' '.join(filter(None, (what, name)))} at {unit} {step}: {problem}")
+        merged, wrong = merge_named(list(values))
+        problems += [f"{' '.join(filter(None, (what, name)))} at {unit} {step}: {problem}" for name, problem in wrong]
         steps.append(merged)
     if len({len(s) for s in per_rank}) > 1:
         problems.append(f"ranks recorded {[len(s) for s in per_rank]} {unit}s of {what}")
@@ -180,7 +179,7 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
                             f"ranks {differ} differ from rank 0: {[getattr(traces[r], what) for r in differ]} "
                             f"against {getattr(whole, what)}"))
     for what in ("grads", "params", "state", "buffers"):
-        steps, problems = _merged(what, [getattr(t, what) for t in traces], first=int(what != "params"))
+        steps, problems = _merged_steps(what, [getattr(t, what) for t in traces], first=int(what != "params"))
         setattr(whole, what, steps)
         checks.append(Check(f"replicas agree on {what}", not problems,
                             "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")))
@@ -189,8 +188,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
         groups.setdefault(_coords(case, rank)[0], []).append(trace)
     problems, outputs, losses = [], [], []
     for d, group in sorted(groups.items()):
-        out, out_problems = _merged("output", [[{"": o} for o in t.outputs] for t in group], "microbatch")
-        loss, loss_problems = _merged("loss", [[{"": torch.tensor(x)} for x in t.losses] for t in group], "microbatch")
+        out, out_problems = _merged_steps("output", [[{"": o} for o in t.outputs] for t in group], "microbatch")
+        loss, loss_problems = _merged_steps("loss", [[{"": torch.tensor(x)} for x in t.losses] for t in group], "microbatch")
         problems += [f"dp group {d}: {p}" for p in out_problems + loss_problems]
         outputs.append([o[""] for o in out])
         losses.append([float(x[""]) for x in loss])
@@ -230,7 +229,7 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
         out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale)))
 
 
-def judge(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
+def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
           against: str = "one device") -> Verdict:
     """Compare a global trace with a baseline in the case's dtype and the float64 shadow."""
     dtype = case.torch_dtype

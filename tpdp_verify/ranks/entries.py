@@ -12,14 +12,14 @@ from typing import NamedTuple
 
 from torch import nn
 
-from tpdp_verify.cases import TrainCase
+from tpdp_verify.cases.training import TrainCase
 
 
 class Wrapped(NamedTuple):
     model: nn.Module
     inner: nn.Module
     no_sync: object  # () -> context manager
-    whole_params: object = None  # see tpdp_verify.training.Run
+    whole_params: object = None  # see tpdp_verify.ranks.loop.Run
     state_unobserved: str = ""
 
 
@@ -84,7 +84,7 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from tpdp_verify.pool import device_type
+    from tpdp_verify.ranks.pool import device_type
 
     # FSDP1 runs on the CPU only when told to: without device_id it looks for an accelerator.
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")

@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
-
-from tpdp_verify.fixtures.zoo import Size
 
 # Data-parallel entry points, in the order the strategy shrinks toward.
 ENTRIES = (
@@ -17,12 +16,33 @@ ENTRIES = (
     "fsdp1",            # FullyShardedDataParallel(model, device_mesh=mesh["dp"]): DTensorExtensions
     "fully_shard",      # FSDP2 fully_shard(model, mesh=mesh["dp"]): DTensor parameters on the 2-D mesh
 )
+# verify_plan's names for them (tpdp_verify.plan).
+DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
+      "fsdp2": "fully_shard", "fsdp1": "fsdp1"}
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 OPTIMIZERS = ("sgd", "adam")
-DTYPES = ("float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's
 # parameters, or on the wrapper's parameters after a first (discarded) forward.
 BUILT = ("after_wrap", "before_wrap", "after_forward")
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model's dimensions; its repr is constructor code."""
+
+    dim: int = 8  # model width
+    hidden: int = 12  # feed-forward width; need not be a multiple of the TP degree
+    heads: int = 2  # attention heads; a multiple of the TP degree for attention models
+    vocab: int = 16
+    seq: int = 4
+
+
+def empty_shard(n: int, tp: int) -> bool:
+    """Whether torch.chunk's split of ``n`` rows over ``tp`` ranks (ceil(n / tp) each)
+    leaves some rank no row."""
+    return -(-n // tp) * (tp - 1) >= n
+
 
 
 @dataclass(frozen=True)
@@ -39,10 +59,11 @@ class DDPOptions:
         out = {k: v for k, v in vars(self).items() if k not in ("bucket_cap_mb", "sync_buffers")}
         if self.bucket_cap_mb is not None:
             out["bucket_cap_mb"] = self.bucket_cap_mb
-        out[_SYNC_BUFFERS] = self.sync_buffers
+        out[_sync_buffers_name()] = self.sync_buffers
         return out
 
 
+@functools.cache  # read from torch when first needed: a case imports no torch.distributed
 def _sync_buffers_name() -> str:
     """torch 2.13 renamed DDP's ``broadcast_buffers`` (now deprecated, with a warning)."""
     import inspect
@@ -51,9 +72,6 @@ def _sync_buffers_name() -> str:
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-
-
-_SYNC_BUFFERS = _sync_buffers_name()
 
 
 @dataclass(frozen=True)

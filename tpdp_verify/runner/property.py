@@ -22,8 +22,8 @@ from hypothesis.statistics import collector
 
 from tpdp_verify import signature
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
-from tpdp_verify.profiles import Profile
-from tpdp_verify.verdict import Divergence, divergence
+from tpdp_verify.judging.divergence import Divergence, divergence
+from tpdp_verify.runner.profiles import Profile
 
 
 @dataclass
@@ -94,7 +94,7 @@ def finding(exc: BaseException) -> Divergence | None:
 def _part(traceback_text: str) -> str:
     """The signature part of a rank's failure: carried with an exception the rank caught
     (pool.caught), else read from the traceback it raised with."""
-    from tpdp_verify.pool import CAUGHT_PART
+    from tpdp_verify.ranks.pool import CAUGHT_PART
 
     if CAUGHT_PART in traceback_text:
         return traceback_text.rsplit(CAUGHT_PART, 1)[1].strip()
@@ -136,7 +136,7 @@ class Property:
             known: set[str] | None = None, learn: bool = False) -> Stats:
         """Run under ``profile`` on ``pool``; raise the failures found, after shrinking.
 
-        ``impl`` names the implementation under test (see tpdp_verify.impl). ``known``,
+        ``impl`` names the implementation under test (see tpdp_verify.impls.select). ``known``,
         the signature parts a baseline records for this property: an example whose every
         failure is known is counted (``stats.known``) and the search goes on; only new
         failures are raised, shrunk and replayed. ``learn`` (writing a baseline): a new
@@ -240,7 +240,7 @@ class Property:
         return (
             "import torch\n"
             "from torch.distributed.tensor import Replicate, Shard\n"
-            "from tpdp_verify.pool import RankPool\n"
+            "from tpdp_verify import RankPool\n"
             f"{imports}from {self.fn.__module__} import {self.name}\n\n"
             'if __name__ == "__main__":  # ranks are spawned: they re-import this file\n'
             f"    with RankPool({world_size}) as pool:\n"

@@ -14,10 +14,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tpdp_verify import signature
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.pieces import cut
-from tpdp_verify.pool import caught
-from tpdp_verify.training import Run, Trace, build, fixture, make_optimizer, train
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.ranks.loop import Run, Trace, build, fixture, make_optimizer, train
+from tpdp_verify.ranks.pieces import cut
+from tpdp_verify.ranks.pool import caught
 
 MESH_DIMS = ("dp", "tp")
 
@@ -28,7 +28,7 @@ def rows(case: TrainCase, dp_rank: int) -> slice:
 
 def parter(specs: dict):
     """``part(name, value)``: the Piece of a global value this rank holds, for the parent to
-    put together (tpdp_verify.pieces).
+    put together (tpdp_verify.ranks.pieces).
 
     A value is a DTensor, or a local shard of the parameter ``name`` whose layout was
     recorded from the TP'd model before any DP wrapper touched it (so a transform that
@@ -101,9 +101,9 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
     With ``tp=False`` the unsharded model goes through the same entry point on the same
     dp groups (the transform finds no DTensor and does nothing): the plain-DP oracle.
     """
-    from tpdp_verify.entries import WRAP
-    from tpdp_verify.impl import installed, load
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.impls.select import installed, load
+    from tpdp_verify.ranks.entries import WRAP
+    from tpdp_verify.ranks.pool import device_mesh
 
     impl = load(impl_name)
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
@@ -115,8 +115,3 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
             return _failed(f"wrapping with {case.entry}", exc)
         run = run_of(case, wrapped, mesh, before)
         return train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
-
-
-def observe_both(case: TrainCase, impl_name: str) -> tuple[Trace, Trace]:
-    """The TP+DP run and the plain-DP run, in one call to the ranks."""
-    return observe(case, impl_name), observe(case, "torch", tp=False)

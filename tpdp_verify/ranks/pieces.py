@@ -55,7 +55,7 @@ def _as_piece(value) -> Piece:
     return Piece(value, torch.arange(value.numel()).view(shape), shape)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal element for element, NaN equal to NaN (a NaN both replicas hold is no disagreement)."""
     return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
 
@@ -91,9 +91,21 @@ def merge(values: list) -> tuple[torch.Tensor | None, str]:
             continue
         index, local = p.index.flatten(), p.local.flatten()
         seen = covered[index]
-        if seen.any() and not _same(out[index][seen], local[seen]):
+        if seen.any() and not same(out[index][seen], local[seen]):
             problems.append(f"rank {rank} disagrees with another rank on elements both hold")
         out[index], covered[index] = local, True
     if not covered.all():
         problems.append(f"{int((~covered).sum())} of {numel} elements are held by no rank")
     return out.view(first.shape), "; ".join(problems)
+
+
+def merge_named(values: list[dict]) -> tuple[dict, list[tuple[str, str]]]:
+    """Each name's global tensor from the ranks' ``name -> value`` dicts, and (name, what is
+    wrong) for every name whose pieces do not make one up."""
+    names = list(dict.fromkeys(n for v in values for n in v))
+    merged, problems = {}, []
+    for name in names:
+        merged[name], problem = merge([v.get(name) for v in values])
+        if problem:
+            problems.append((name, problem))
+    return merged, problems

@@ -19,13 +19,13 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from hypothesis.reporting import with_reporter
 
-from tpdp_verify import impl as impl_mod
-from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
-from tpdp_verify.pool import MAX_RSS_GROWTH, RankPool
-from tpdp_verify.profiles import Profile
 from tpdp_verify import signature
-from tpdp_verify.suite import Property, Stats, finding
-from tpdp_verify.verdict import Divergence
+from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
+from tpdp_verify.impls import select as impl_mod
+from tpdp_verify.judging.divergence import Divergence
+from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+from tpdp_verify.runner.profiles import Profile
+from tpdp_verify.runner.property import Property, Stats, finding
 
 
 class Finding(NamedTuple):
@@ -184,7 +184,7 @@ def iter_gate(
 
     ``progress`` gets a line per property with the count done, the failures so far and
     the time since the start, and a line every ``every`` seconds a property runs.
-    ``known``: property -> the signature parts a baseline records (tpdp_verify.baseline);
+    ``known``: property -> the signature parts a baseline records (tpdp_verify.runner.baseline);
     ``learn``: search on past each failure found, to write a baseline; ``seed``: draw
     other cases than the profile's fixed ones.
     """
@@ -259,11 +259,11 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
     out += list(excluded)
     for o in outcomes:
         if o.status != "pass":
-            out += ["", report(o)]
+            out += ["", outcome_report(o)]
     return "\n".join(out)
 
 
-def report(o: Outcome) -> str:
+def outcome_report(o: Outcome) -> str:
     """Why a property has no pass: each finding's status, failed checks, shrunk case and replay."""
     if o.status == "pass":
         return ""

@@ -1,6 +1,6 @@
 """Checkpointing a TP+DP model, inside a rank: save after training, load into a fresh model.
 
-A rank builds the case's TP+DP model (the same steps as tpdp_verify.execute.observe),
+A rank builds the case's TP+DP model (the same steps as tpdp_verify.ranks.tp_dp.observe),
 trains it, reads its ``state_dict()``, saves model and optimizer by one route, builds a
 second model of the same case from another seed (so that a load that moves nothing shows),
 loads the checkpoint into it, and lets both take the next step on the same batch. What
@@ -22,23 +22,24 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdp_verify import signature
-from tpdp_verify.cases import TrainCase
-from tpdp_verify.execute import MESH_DIMS, parter, run_of, tp_model
-from tpdp_verify.pool import caught
-from tpdp_verify.training import (
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.ranks.loop import (
     Run,
-    _built,
-    _loss_parallel,
-    _params,
-    _snapshot,
-    _state,
     batches,
+    build_optimizer,
     fixture,
+    held_params,
     make_optimizer,
+    maybe_loss_parallel,
     named,
+    optimizer_state,
+    snapshot,
     train,
     whole,
 )
+from tpdp_verify.ranks.observation import Observation
+from tpdp_verify.ranks.pool import caught
+from tpdp_verify.ranks.tp_dp import MESH_DIMS, parter, run_of, tp_model
 
 # How a checkpoint travels from the trained model to the fresh one:
 #   state_dict: model.state_dict() / load_state_dict(), optimizer.state_dict() /
@@ -51,11 +52,8 @@ ROUTES = ("state_dict", "get_set", "dcp")
 
 
 @dataclass
-class Seen:
+class Seen(Observation):
     """What one rank saw of a checkpoint."""
-
-    error: str = ""  # "<stage>: <exception>", if a stage raised
-    raised: str = ""  # its signature part: type and frame (tpdp_verify.signature)
     # "before training" / "after training" -> the state_dict's entries: (key, type, shape)
     entries: dict = field(default_factory=dict)
     # label -> name -> a whole tensor or the rank's Piece of a global one (merged in the parent)
@@ -75,7 +73,7 @@ def _stateful(wrapped) -> torch.nn.Module:
 def _prepare(case: TrainCase, impl, mesh, tp: bool, seed: int):
     """The case's model from ``seed``, TP'd on mesh["tp"] (unless ``tp`` is False) and wrapped
     by its DP entry point: (run, wrapped, optimizer built before wrapping or None)."""
-    from tpdp_verify.entries import WRAP
+    from tpdp_verify.ranks.entries import WRAP
 
     model, before, early = tp_model(case, mesh, tp, seed)
     wrapped = WRAP[case.entry](model, case, mesh, impl)
@@ -96,8 +94,8 @@ def _state_dict_values(state_dict: dict) -> dict:
 
 def _model_values(run: Run) -> dict:
     """Every parameter (whole or its Piece) and buffer, read through the captured handles."""
-    with _params(run) as current:
-        values = _snapshot(run, current)
+    with held_params(run) as current:
+        values = snapshot(run, current)
     values.update({f"buffer {n}": b.detach().clone() for n, b in run.inner.named_buffers()})
     return values
 
@@ -110,17 +108,17 @@ def _optimizer_values(run: Run, optimizer) -> tuple[dict, dict]:
         raw = {f"{n}: {k}": v.detach().clone() for n, p in params.items()
                for k, v in sorted(optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)}
         return {}, raw
-    return _state(run, params, optimizer), {}
+    return optimizer_state(run, params, optimizer), {}
 
 
 def _next_step(case: TrainCase, run: Run, optimizer, micro: list[dict]) -> dict:
-    """One more step, as tpdp_verify.training.train takes one: every microbatch's output
+    """One more step, as tpdp_verify.ranks.loop.train takes one: every microbatch's output
     and loss as this rank sees them."""
     fx, out = fixture(case), {}
     for m, b in enumerate(micro, 1):
         local = {k: v[run.rows] for k, v in b.items()}
         sync = contextlib.nullcontext() if m == len(micro) else run.no_sync()
-        with sync, _loss_parallel(run.loss_parallel):
+        with sync, maybe_loss_parallel(run.loss_parallel):
             o = run.model(local["input"])
             loss = (local["weight"] * fx.per_sample_loss(o, local)).mean()
             loss.backward()
@@ -197,8 +195,8 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
     With ``tp=False`` the unsharded model goes through the same entry point (plain DP).
     ``directory`` is where the dcp route writes; every rank must get the same, empty one.
     """
-    from tpdp_verify.impl import installed, load
-    from tpdp_verify.pool import device_mesh
+    from tpdp_verify.impls.select import installed, load
+    from tpdp_verify.ranks.pool import device_mesh
 
     impl, seen = load(impl_name), Seen()
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
@@ -237,7 +235,7 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
             stage = "building the fresh model"
             fresh, fresh_wrapped, fresh_early = _prepare(case, impl, mesh, tp, case.seed + 1)
             data = batches(dataclasses.replace(case, steps=case.steps + 1))
-            fresh_optimizer = _built(case, fresh, data, lambda: fresh_early or make_optimizer(
+            fresh_optimizer = build_optimizer(case, fresh, data, lambda: fresh_early or make_optimizer(
                 case, fresh.model.parameters()))
             seen.values["fresh model"] = _model_values(fresh)
             stage = f"loading ({route})"

@@ -5,7 +5,7 @@ an ``FSDPExtensions`` object; torch's is ``DTensorExtensions`` in
 ``torch/distributed/tensor/parallel/fsdp.py``. Its contract (private, undocumented):
 
 * ``pre_flatten_transform(t)`` / ``post_unflatten_transform(local, info)``: as the DP
-  transform's ``flatten_tensor`` / ``unflatten_tensor`` (tpdp_verify/transform.py), and
+  transform's ``flatten_tensor`` / ``unflatten_tensor`` (tpdp_verify/impls/transform.py), and
   the rebuilt DTensor is marked FSDP-flattened so that nested FSDP never flattens it again.
 * ``chunk_tensor(t, rank, world_size, num_devices_per_node, pg)``: the ShardedTensor a
   sharded state dict holds. A plain tensor is chunked along dim 0 over ``pg``. A DTensor
@@ -21,7 +21,7 @@ an ``FSDPExtensions`` object; torch's is ``DTensorExtensions`` in
 * ``pre_load_state_dict_transform(st)``: the inner ShardedTensor ``chunk_tensor`` nested
   and its local shards.
 
-Like tpdp_verify.transform, this twin uses public DTensor API (and ShardedTensor's
+Like tpdp_verify.impls.transform, this twin uses public DTensor API (and ShardedTensor's
 constructor from metadata, the only way to build one without communicating), and
 computes every block itself rather than through torch's layout helpers, so a divergence
 points at one of the two. Functions call one another through ``self``, so a subclass
@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import (
     Shard as STShard,
+)
+from torch.distributed._shard.sharded_tensor import (
     ShardedTensor,
     ShardedTensorMetadata,
     TensorProperties,
@@ -46,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from tpdp_verify.transform import ShardingInfo, flatten, unflatten
+from tpdp_verify.impls.transform import ShardingInfo, flatten, unflatten
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
 
@@ -71,7 +73,7 @@ def cut(tensor: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 class FSDPExtension:
-    """The reference: one method for each function in tpdp_verify.impl.FSDP_FUNCTIONS."""
+    """The reference: one method for each function in tpdp_verify.impls.select.FSDP_FUNCTIONS."""
 
     # -- flattening for the FlatParameter ------------------------------------------------
 

@@ -62,7 +62,7 @@ def unflatten(local: torch.Tensor, info: ShardingInfo) -> DTensor:
 
 
 class Transform:
-    """The reference: one method for each function in tpdp_verify.impl.FUNCTIONS."""
+    """The reference: one method for each function in tpdp_verify.impls.select.FUNCTIONS."""
 
     # -- the tensor transform --------------------------------------------------------
 
@@ -176,7 +176,7 @@ class Transform:
 
 
 REFERENCE = Transform()
-# The module-level names torch's call sites and tpdp_verify.impl look up.
+# The module-level names torch's call sites and tpdp_verify.impls.select look up.
 flatten_tensor = REFERENCE.flatten_tensor
 unflatten_tensor = REFERENCE.unflatten_tensor
 get_submodule_n_params = REFERENCE.get_submodule_n_params

@@ -3,7 +3,7 @@
 One loop, so the runs differ only in what they are meant to differ in: how the model is
 wrapped, which rows of the global batch a run sees, and which part of each global value
 a rank holds. What a run saw comes back as a ``Trace`` of plain CPU tensors and Pieces
-(tpdp_verify.pieces), which the parent puts together.
+(tpdp_verify.ranks.pieces), which the parent puts together.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import torch
 from torch import nn
 
 from tpdp_verify import signature
-from tpdp_verify.cases import TrainCase
+from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.fixtures.zoo import ZOO, Fixture
-from tpdp_verify.pool import caught
+from tpdp_verify.ranks.observation import Observation
+from tpdp_verify.ranks.pool import caught
 
 LR = {"sgd": 0.1, "adam": 1e-2}
 
 
 @dataclass
-class Trace:
-    """What one run (one rank, or the oracle) observed, step by step."""
+class Trace(Observation):
+    """What one training run (one rank, or the oracle) observed, step by step."""
 
     trainable: list[str] = field(default_factory=list)  # names requiring grad before training
     outputs: list[torch.Tensor] = field(default_factory=list)  # each microbatch, this run's rows
@@ -36,9 +37,7 @@ class Trace:
     state: list[dict] = field(default_factory=list)  # each step: "name: key" -> optimizer state
     buffers: list[dict] = field(default_factory=list)  # after each step
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
-    error: str = ""  # what the run raised, if it raised
-    raised_in: str = ""  # the innermost module whose forward raised it, if one did
-    raised: str = ""  # its signature part: type and frame (tpdp_verify.signature)
+    raised_in: str = ""  # the innermost module whose forward raised, if one did
     registry: list[str] = field(default_factory=list)  # named_parameters() of the model after training
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
 
@@ -148,15 +147,15 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _snapshot(run: Run, values: dict) -> dict:
+def snapshot(run: Run, values: dict) -> dict:
     return {n: None if v is None else run.part(n, v.detach().clone()) for n, v in values.items()}
 
 
-def _params(run: Run):
+def held_params(run: Run):
     return run.whole_params() if run.whole_params else contextlib.nullcontext(run.handles)
 
 
-def _state(run: Run, params: dict, optimizer) -> dict:
+def optimizer_state(run: Run, params: dict, optimizer) -> dict:
     out = {}
     for name, p in params.items():
         for key, value in sorted(optimizer.state.get(p, {}).items()):
@@ -165,7 +164,7 @@ def _state(run: Run, params: dict, optimizer) -> dict:
     return out
 
 
-def _built(case: TrainCase, run: Run, data: list, new_optimizer: Callable[[], torch.optim.Optimizer]
+def build_optimizer(case: TrainCase, run: Run, data: list, new_optimizer: Callable[[], torch.optim.Optimizer]
            ) -> torch.optim.Optimizer:
     """The optimizer; a case that builds it after a forward first makes a no_grad forward,
     in every run alike (it moves buffers such as step counters)."""
@@ -186,37 +185,37 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
     trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]
     running: list[str] = []  # modules whose forward has begun and not returned
     try:
-        with _params(run) as current:
-            trace.params.append(_snapshot(run, current))
+        with held_params(run) as current:
+            trace.params.append(snapshot(run, current))
         data = batches(case, dtype)
         # Before any forward unless built after one: FSDP2 unshards the root in a forward.
-        optimizer = None if case.built == "after_forward" else _built(case, run, data, new_optimizer)
+        optimizer = None if case.built == "after_forward" else build_optimizer(case, run, data, new_optimizer)
         if case.eval_first:
             run.model.eval()
             with torch.no_grad():
                 run.model(data[0][0]["input"][run.rows])
             run.model.train()
-        optimizer = optimizer or _built(case, run, data, new_optimizer)
+        optimizer = optimizer or build_optimizer(case, run, data, new_optimizer)
         params = named(run, optimizer)
         for step, micro in enumerate(data):
             for m, b in enumerate(micro):
                 local = {k: v[run.rows] for k, v in b.items()}
                 sync = contextlib.nullcontext() if m == len(micro) - 1 else run.no_sync()
                 record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
-                with sync, _loss_parallel(run.loss_parallel):
+                with sync, maybe_loss_parallel(run.loss_parallel):
                     with record, tracking(run.inner, running):
                         out = run.model(local["input"])
                     loss = (local["weight"] * fx.per_sample_loss(out, local)).mean()
                     loss.backward()
                 trace.outputs.append(whole(out.detach()).clone())
                 trace.losses.append(float(whole(loss.detach())))
-            with _params(run) as current:
-                trace.grads.append(_snapshot(run, {n: p.grad for n, p in current.items()}))
+            with held_params(run) as current:
+                trace.grads.append(snapshot(run, {n: p.grad for n, p in current.items()}))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            with _params(run) as current:
-                trace.params.append(_snapshot(run, current))
-            trace.state.append({} if run.state_unobserved else _state(run, params, optimizer))
+            with held_params(run) as current:
+                trace.params.append(snapshot(run, current))
+            trace.state.append({} if run.state_unobserved else optimizer_state(run, params, optimizer))
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
         trace.registry = [n for n, _ in run.inner.named_parameters()]
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
@@ -248,7 +247,7 @@ def tracking(module: nn.Module, running: list[str]):
             h.remove()
 
 
-def _loss_parallel(on: bool):
+def maybe_loss_parallel(on: bool):
     if not on:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel

@@ -77,7 +77,7 @@ def known_parts(entries: list[Known]) -> dict[str, set[str]]:
 
 
 def entry(prop: str, world_size: int, sig: signature.Signature, drawn: dict, summary: str) -> Known:
-    from tpdp_verify.suite import case_types
+    from tpdp_verify.runner.property import case_types
 
     types = tuple(sorted(f"{t.__module__}:{t.__qualname__}" for t in case_types(drawn)))
     return Known(prop, world_size, sig, {k: repr(v) for k, v in drawn.items()}, types, summary.splitlines()[0][:200])
@@ -187,14 +187,14 @@ def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Si
 
 
 def rerun_finding(listed: Known, now: signature.Signature, status: str):
-    from tpdp_verify.gate import Finding
+    from tpdp_verify.runner.gate import Finding
 
     text = f"{listed.summary}\n(its recorded case, run again: " + (
         "passes)" if not now else " + ".join(signature.describe(p) for p in now) + ")")
     return Finding(text, "", listed.kind, listed.drawn(), now or listed.signature, status)
 
 
-def report(j: Judgement, header: dict, name: str) -> str:
+def judgement_report(j: Judgement, header: dict, name: str) -> str:
     width = max([len(k.property) for k in j.known + j.new + j.fixed + j.not_run + [c for c, _ in j.changed]]
                 + [8])
 
@@ -212,13 +212,11 @@ def report(j: Judgement, header: dict, name: str) -> str:
     return "\n".join(out)
 
 
-def markdown(name: str, impl: str = "torch") -> str:
+def markdown(name: str, properties, impl: str = "torch") -> str:
     """Every entry of a baseline with a script that replays it: the generated half of
-    docs/known-divergences.md (``python -m tpdp_verify.baseline NAME``)."""
-    from tpdp_verify.properties import ALL
-
+    docs/known-divergences.md (``python -m tpdp_verify.runner.baseline NAME``)."""
     header, known = load(name)
-    by_name = {p.name: p for p in ALL}
+    by_name = {p.name: p for p in properties}
     out = [f"Recorded on torch {header['torch']} with the `{header['profile']}` profile: "
            f"{len(known)} entries."]
     for k in known:
@@ -231,4 +229,6 @@ def markdown(name: str, impl: str = "torch") -> str:
 if __name__ == "__main__":
     import sys
 
-    print(markdown(sys.argv[1] if len(sys.argv) > 1 else "torch-2.13.0"), end="")
+    from tpdp_verify.runner import suite
+
+    print(markdown(sys.argv[1] if len(sys.argv) > 1 else "torch-2.13.0", suite.load().properties), end="")

@@ -1,10 +1,10 @@
 """Which implementation of the TP->DP transform is under test.
 
 ``load("torch")`` (the default) binds torch's private functions, ``load("reference")``
-binds tpdp_verify.transform, and any other name is a dotted path to a module, or to an
+binds tpdp_verify.impls.transform, and any other name is a dotted path to a module, or to an
 object in a module (a class is instantiated), that defines the same functions under the
 names in ``FUNCTIONS`` (torch's names without the leading underscore): a patched torch, a
-user's own transform, or a subclass of ``tpdp_verify.transform.Transform``. Ranks load the implementation by name, so it must import there too.
+user's own transform, or a subclass of ``tpdp_verify.impls.transform.Transform``. Ranks load the implementation by name, so it must import there too.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def load(name: str = "torch") -> SimpleNamespace:
     """The functions of implementation ``name``; a clear UsageError if it cannot be used."""
     if name == "torch":
         return _torch()
-    return _load(name, "implementation", FUNCTIONS, "tpdp_verify.transform",
-                 "tpdp_verify.transform.Transform", "tpdp_verify.fsdp_extension.FSDPExtension")
+    return _load(name, "implementation", FUNCTIONS, "tpdp_verify.impls.transform",
+                 "tpdp_verify.impls.transform.Transform", "tpdp_verify.impls.fsdp_extension.FSDPExtension")
 
 
 # Where torch's DP entry points look the transform up: DDP(device_mesh=...) and replicate
@@ -109,22 +109,20 @@ FSDP_FUNCTIONS = (
 )
 
 
-def load_fsdp(name: str = "torch") -> SimpleNamespace:
+def load_fsdp(name: str = "torch", device_type: str = "cpu") -> SimpleNamespace:
     """The FSDP extension functions of implementation ``name``, as ``load`` does for the
-    transform: ``torch`` binds a ``DTensorExtensions`` as FSDP1 builds it on this rank's
-    device, ``reference`` binds tpdp_verify.fsdp_extension.FSDPExtension, any other name is
+    transform: ``torch`` binds a ``DTensorExtensions`` as FSDP1 builds it on the rank's
+    device (``device_type``: tpdp_verify.ranks.pool.device_type() in a rank), ``reference`` binds tpdp_verify.impls.fsdp_extension.FSDPExtension, any other name is
     a dotted path to a module or object (a class is instantiated) defining FSDP_FUNCTIONS."""
     if name == "torch":
         import torch
         from torch.distributed.fsdp._common_utils import _FSDPDeviceHandle
         from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
 
-        from tpdp_verify.pool import device_type
-
-        ext = DTensorExtensions(_FSDPDeviceHandle.from_device(torch.device(device_type())))
+        ext = DTensorExtensions(_FSDPDeviceHandle.from_device(torch.device(device_type)))
         return SimpleNamespace(name="torch", **{f: getattr(ext, f) for f in FSDP_FUNCTIONS})
-    reference = "tpdp_verify.fsdp_extension.FSDPExtension"
-    return _load(name, "FSDP extension", FSDP_FUNCTIONS, reference, reference, "tpdp_verify.transform.Transform")
+    reference = "tpdp_verify.impls.fsdp_extension.FSDPExtension"
+    return _load(name, "FSDP extension", FSDP_FUNCTIONS, reference, reference, "tpdp_verify.impls.transform.Transform")
 
 
 def _load(name: str, what: str, functions: tuple[str, ...], reference: str, reference_class: str,

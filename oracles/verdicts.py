@@ -1,0 +1,57 @@
+"""A TP+DP case judged against each oracle: one device, and plain DP without TP."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.judging.verdict import Verdict, assemble, judge_training, localize
+from tpdp_verify.oracles.plain_ddp import observe_plain_ddp, observe_with_plain_ddp
+from tpdp_verify.oracles.single_device import oracle
+from tpdp_verify.ranks.observation import Check
+from tpdp_verify.ranks.tp_dp import observe
+from tpdp_verify.signature import Signature
+
+
+def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
+    """Run the case again with every module's output recorded, to name where it departs,
+    and without TP through the same entry point, to say whether DP alone departs too."""
+    traces = pool.run(observe, case, impl, True)
+    if not any(t.error for t in traces):
+        baseline, shadow = oracle(case, capture=True)
+        verdict.first_module = localize(traces, case, baseline, shadow)
+    plain, checks = assemble(case, pool.run(observe_plain_ddp, case))
+    alone = judge_training(case, plain, *oracle(case))
+    alone.checks[:0] = checks
+    verdict.plain_ddp = "trains like one device: the departure is TP+DP's" if alone.ok else \
+        f"departs too ({alone.kind}): the departure is {case.entry}'s own"
+
+
+def verdict_one_device(pool, impl: str, case: TrainCase,
+                       explain: Callable[[Signature], bool] = lambda signature: True) -> Verdict:
+    """The case on the ranks, judged against one device; a departure ``explain`` accepts is
+    run twice more, to name the first module that departs and to run it without TP."""
+    whole, checks = assemble(case, pool.run(observe, case, impl))
+    baseline, shadow = oracle(case)
+    verdict = judge_training(case, whole, baseline, shadow)
+    verdict.checks[:0] = checks
+    if not verdict.ok and explain(verdict.signature):
+        _explain(verdict, pool, impl, case)
+    return verdict
+
+
+def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
+    """The case on the ranks and without TP through the same entry point, in one call,
+    judged against each other within the bound plain DDP earns."""
+    traces = pool.run(observe_with_plain_ddp, case, impl)
+    tpdp, tp_checks = assemble(case, [t for t, _ in traces])
+    plain, plain_checks = assemble(case, [p for _, p in traces])
+    _, shadow = oracle(case)
+    if plain.error:  # plain DDP refuses the case: TP+DP must refuse it the same way
+        return Verdict([Check("refuses what plain DDP refuses", bool(tpdp.error),
+                              f"plain DDP raised {plain.error!r}; TP+DP {tpdp.error or 'trained'}")],
+                       against="plain DDP")
+    assert all(c.ok for c in plain_checks), "plain DDP's own replicas disagree: " + str(plain_checks)
+    verdict = judge_training(case, tpdp, plain, shadow, against="plain DDP")
+    verdict.checks[:0] = tp_checks
+    return verdict

@@ -1,0 +1,1 @@
+"""What a run is: plain, printable, picklable data (no torch.distributed, no hypothesis)."""

@@ -1,0 +1,59 @@
+"""DTensor cases: one parameter on a mesh, as the round trip and FSDP1's extension see it.
+
+Plain, printable, picklable data: a case prints as a constructor call, so a falsifying
+example replays by pasting it (``from torch.distributed.tensor import Shard, Replicate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
+
+
+@dataclass(frozen=True)
+class TensorCase:
+    """One DTensor parameter: where it lives, how it is laid out, what it holds."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    seed: int
+
+    def full(self) -> torch.Tensor:
+        """The global tensor, identical on every rank (seeded, float64 then cast)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        return torch.randn(self.shape, generator=gen, dtype=torch.float64).to(self.dtype)
+
+
+def shards_unevenly(case: TensorCase) -> bool:
+    """Whether some sharded dim does not divide by its mesh dimension."""
+    return any(
+        p.is_shard() and case.shape[p.dim] % n
+        for p, n in zip(case.placements, case.mesh_shape)
+    )
+
+
+@dataclass(frozen=True)
+class FSDPCase:
+    """A parameter as FSDP1 on a device mesh sees it: the root mesh is (dp, tp) or HSDP's
+    (replicate, shard, tp); the parameter is a DTensor on the tp dim with ``tp_placement``,
+    or a plain tensor (a layer the TP plan left alone) when that is None."""
+
+    mesh_shape: tuple[int, ...]
+    tp_placement: Placement | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    seed: int
+
+    full = TensorCase.full  # the same seeded global tensor as a TensorCase's
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        return ("dp", "tp") if len(self.mesh_shape) == 2 else ("replicate", "shard", "tp")

@@ -1,0 +1,1 @@
+"""Judging observations: checks, tolerances, verdicts, and the signatures baselines record."""
