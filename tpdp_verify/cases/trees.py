@@ -63,7 +63,7 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def isis_under(path: str, ancestor: str) -> bool:
+def is_under(path: str, ancestor: str) -> bool:
     """``path`` is ``ancestor`` or inside it (by dotted atoms: "layer1" is not in "layer")."""
     return path == ancestor or path.startswith(ancestor + ".")
 
