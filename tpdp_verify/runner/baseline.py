@@ -29,7 +29,7 @@ from tpdp_verify import signature
 from tpdp_verify.errors import UsageError
 
 SCHEMA = 2
-SHIPPED = Path(__file__).parent / "baselines"  # baselines the project ships, by name
+SHIPPED = Path(__file__).parent.parent / "baselines"  # baselines the project ships, by name
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ class Exclusion:
 
 @dataclass(frozen=True)
 class Suite:
+    """The properties a gate runs, in order, and the regions of their case space they leave out."""
+
     properties: tuple[Property, ...]
     exclusions: tuple[Exclusion, ...] = ()
 
@@ -50,10 +52,10 @@ def load(module: str = DEFAULT) -> Suite:
     """The suite a module declares."""
     try:
         found = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
+    except Exception as exc:  # the user's module: what is wrong with it is one line, not a traceback
+        if isinstance(exc, ModuleNotFoundError) and exc.name and module.startswith(exc.name):
             raise UsageError(f"no suite module {module!r}: give a module with ALL, a tuple of properties") from None
-        raise
+        raise UsageError(f"suite module {module!r} does not import: {type(exc).__name__}: {exc}") from None
     properties = getattr(found, "ALL", None)
     if not properties or not all(isinstance(p, Property) for p in properties):
         raise UsageError(f"{module} has no ALL, a tuple of tpdp_verify properties (@tpdp_property)")
