@@ -60,7 +60,12 @@ class Known:
         names = {"torch": torch, "Replicate": Replicate, "Shard": Shard, "Partial": Partial}
         for path in self.types:
             module, _, qualname = path.partition(":")
-            names[qualname.split(".")[0]] = getattr(importlib.import_module(module), qualname.split(".")[0])
+            try:
+                names[qualname.split(".")[0]] = getattr(importlib.import_module(module), qualname.split(".")[0])
+            except (ImportError, AttributeError):
+                raise UsageError(f"the baseline's {self.property} entry names the case type {path}, which "
+                                 "this tpdp-verify does not have; regenerate the baseline with "
+                                 "--update-baseline") from None
         return {k: eval(v, names) for k, v in self.case.items()}  # noqa: S307: the baseline's own reprs
 
     def to_json(self) -> dict:
