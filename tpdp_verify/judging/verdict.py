@@ -61,7 +61,7 @@ class Verdict:
         for rank, c in made:
             key = (c.name, c.ok, c.part)
             first = merged.setdefault(key, c)
-            if not c.ok and rank is not None:
+            if not c.ok and rank is not None and rank not in first.ranks:
                 merged[key] = first._replace(ranks=first.ranks + (rank,))
         failed = {c.name for c in merged.values() if not c.ok}
         return cls([c for c in merged.values() if not c.ok or c.name not in failed], against="")
@@ -93,7 +93,8 @@ class Verdict:
             raise divergence(self.signature)(self.report())
 
     def report(self, limit: int = 20) -> str:
-        bad_checks = list({(c.detail, c.ranks): c for c in self.checks if not c.ok}.values())  # one exception, once
+        # An exception fails every check that ran into it: said once.
+        bad_checks = list({(c.detail, c.ranks) if c.part else c: c for c in self.checks if not c.ok}.values())
         bad_rows = sorted((r for r in self.rows if not r.err.ok), key=lambda r: (r.step, -r.err.ratio))
         if self.against:
             lines = [f"TP+DP departs from {self.against}: {len(bad_checks)} of {len(self.checks)} checks "
