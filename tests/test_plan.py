@@ -2,12 +2,14 @@
 it is given explained in one line before any training."""
 
 import json
+import re
 
 import pytest
 import torch
 import user_models as um
 
 from tpdp_verify import UsageError, verify_plan
+from tpdp_verify.fixtures.parallelize import parallelize_llama
 from tpdp_verify.ranks.pool import RankPool
 
 
@@ -54,6 +56,35 @@ def test_a_swapped_plan_is_reported_at_its_module(pool):
     assert report.first_module == "up"
     assert "in the forward of up" in str(report)
     assert "verify_plan(user_models:make_mlp" in report.replay
+
+
+def test_a_parallelize_function_of_ones_own_is_verified_like_a_plan(pool):
+    """torchtitan's way: the user's function applies TP per module on the mesh's tp
+    dimension (fixtures/parallelize.py); the tool wraps DP and trains it against both oracles."""
+    report = verify(None, um.make_llama, parallelize_fn=parallelize_llama, input_fn=um.tokens, pool=pool, steps=2)
+    assert report.ok, str(report)
+    keys = report.lines[0]  # embedding, final norm, head; a block's 7 projections and 2 norms
+    assert keys.compared == 12 and keys.detail == "parallelize_fn made 12 parameters DTensors"
+    assert "parallelize_fn=tpdp_verify.fixtures.parallelize:parallelize_llama" in report.replay
+
+
+def test_a_wrong_parallelize_function_is_reported_at_its_module(pool):
+    report = verify(None, parallelize_fn=um.parallelize_swapped, pool=pool, steps=1)
+    assert not report.ok and report.first_module == "up", str(report)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(parallelize_fn=um.parallelize_nothing),
+     "parallelize_fn user_models:parallelize_nothing left every parameter a plain tensor"),
+    (dict(parallelize_fn=um.parallelize_raises),
+     "parallelize_fn user_models:parallelize_raises raised AttributeError"),
+    (dict(plan=um.PLAN, parallelize_fn=um.parallelize_nothing), "give a plan (module path -> ParallelStyle) or "
+     "parallelize_fn(model, mesh), not both"),
+    (dict(plan=None), "give a plan (module path -> ParallelStyle) or parallelize_fn(model, mesh), one of them"),
+])
+def test_parallelize_function_mistakes_are_one_line(pool, kwargs, expected):
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        verify(**{"plan": None, **kwargs}, pool=pool)
 
 
 def test_a_broken_transform_is_reported_with_its_table(pool):

@@ -86,3 +86,30 @@ def total_loss(out, batch):
 
 def adam(params):
     return torch.optim.Adam(params, lr=1e-2)
+
+
+def make_llama():
+    """torchtitan's Llama in small (fixtures.models.LlamaLM): vocab 16, width 8, 2 heads, 4 tokens."""
+    from tpdp_verify.fixtures.models import LlamaLM
+
+    return LlamaLM(vocab=16, dim=8, hidden=12, heads=2, seq=4)
+
+
+def tokens(n, generator):
+    return torch.randint(0, 16, (n, 4), generator=generator)
+
+
+def parallelize_swapped(model, mesh):
+    """The user's parallelize function with the feed-forward's styles swapped."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh["tp"], SWAPPED)
+    return model
+
+
+def parallelize_nothing(model, mesh):
+    return model
+
+
+def parallelize_raises(model, mesh):
+    return model.no_such_submodule

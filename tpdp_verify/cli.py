@@ -48,8 +48,12 @@ def _parser() -> argparse.ArgumentParser:
                                description="Names are module:attribute, imported with the current "
                                "directory on the path (docs/user-guide.md).")
     plan.add_argument("model", metavar="MODULE:FACTORY", help="model_fn(): the unsharded model")
-    plan.add_argument("--plan", required=True, metavar="MODULE:PLAN",
-                      help="a dict for parallelize_module, or a function tp_mesh -> dict")
+    tp = plan.add_mutually_exclusive_group(required=True)
+    tp.add_argument("--plan", metavar="MODULE:PLAN",
+                    help="a dict for parallelize_module, or a function tp_mesh -> dict")
+    tp.add_argument("--parallelize", metavar="MODULE:FN",
+                    help="your own parallelize_fn(model, mesh) -> model: applies TP (and any fix-up) to "
+                    "mesh['tp'] of the (dp, tp) mesh; tpdp-verify still wraps DP per --dp")
     plan.add_argument("--input", required=True, metavar="MODULE:FN",
                       help="input_fn(n, generator): the input of n samples, or a dict with it under 'input'")
     plan.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, batch): one loss per sample "
@@ -196,8 +200,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     model_fn = _named(args.model, "the model")
     named = {k: _named(v, f"--{k}") if v else None for k, v in
-             (("plan", args.plan), ("input", args.input), ("loss", args.loss), ("optimizer", args.optimizer))}
-    report = verify_plan(model_fn, named["plan"], mesh=args.mesh, input_fn=named["input"],
+             (("plan", args.plan), ("parallelize", args.parallelize), ("input", args.input), ("loss", args.loss),
+              ("optimizer", args.optimizer))}
+    report = verify_plan(model_fn, named["plan"], parallelize_fn=named["parallelize"], mesh=args.mesh,
+                         input_fn=named["input"],
                          loss_fn=named["loss"], optimizer_fn=named["optimizer"], steps=args.steps, dp=args.dp,
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,

@@ -56,11 +56,12 @@ class UserModel:
     """A user's model, plan, data and loss, as a case carries them to the ranks (by name)."""
 
     model_fn: Callable[[], nn.Module]
-    plan: object  # a tuple of (key, style) pairs, or a callable tp_mesh -> dict
+    plan: object  # a tuple of (key, style) pairs, a callable tp_mesh -> dict, or None
     input_fn: Callable[[int, torch.Generator], object]  # (n samples, generator) -> batch
     loss_fn: Callable | None = None  # (output, batch) -> one loss per sample
     optimizer_fn: Callable | None = None  # parameters -> optimizer
     loss_parallel: bool = False
+    parallelize_fn: Callable | None = None  # (model, (dp, tp) mesh) -> the TP'd model, in place of plan
 
     def fixture(self):
         from hypothesis import strategies as st
@@ -68,17 +69,17 @@ class UserModel:
         from tpdp_verify.fixtures.zoo import Fixture, Size
 
         return Fixture(name=name_of(self.model_fn), build=lambda size: self.model_fn(),
-                       plan=lambda size: self.plan if callable(self.plan) else dict(self.plan),
+                       plan=lambda size: self.plan if callable(self.plan) else dict(self.plan or ()),
                        batch=lambda gen, n, size: as_batch(self.input_fn(n, gen)),
                        per_sample_loss=self.loss_fn or mean_square, sizes=lambda tp: st.just(Size()),
-                       loss_parallel=self.loss_parallel)
+                       loss_parallel=self.loss_parallel, parallelize=self.parallelize_fn)
 
 
 # ------------------------------------------------------------------ checks before any rank
 
 
 def _sendable(user: UserModel) -> None:
-    for field in ("model_fn", "plan", "input_fn", "loss_fn", "optimizer_fn"):
+    for field in ("model_fn", "plan", "parallelize_fn", "input_fn", "loss_fn", "optimizer_fn"):
         try:
             pickle.dumps(getattr(user, field))
         except Exception as exc:
@@ -191,6 +192,8 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     mesh = device_mesh(case.mesh_shape, MESH_DIMS)
     model = build(case)
     sums = _checksums(model)
+    if case.user.parallelize_fn is not None:
+        return _parallelize_problems(case.user.parallelize_fn, model, mesh), sums
     try:
         plan = plan_for(fixture(case), case, mesh["tp"])
     except Exception as exc:
@@ -210,6 +213,30 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     return [f"parallelize_module: {w.message}" for w in caught if "could not be resolved" in str(w.message)], sums
 
 
+def _parallelize_problems(parallelize_fn, model: nn.Module, mesh) -> list[str]:
+    """What is wrong with what a user's parallelize function does to the model; a plan key
+    it cannot resolve is a problem too (parallelize_module only warns)."""
+    from torch.distributed.tensor import DTensor
+
+    name = name_of(parallelize_fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = parallelize_fn(model, mesh)
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            return [f"parallelize_fn {name} raised {type(exc).__name__}: {first}"]
+    if out is not None and not isinstance(out, nn.Module):
+        return [f"parallelize_fn {name} returned a {type(out).__name__}: return the model (or None)"]
+    unresolved = [f"parallelize_fn {name}: {w.message}" for w in caught if "could not be resolved" in str(w.message)]
+    if unresolved:
+        return unresolved
+    if not any(isinstance(p, DTensor) for p in (out or model).parameters()):
+        return [f"parallelize_fn {name} left every parameter a plain tensor: apply TP to the tp dimension of "
+                "the mesh it is given (parallelize_module(model, mesh['tp'], plan))"]
+    return []
+
+
 def check_on_ranks(pool, case: TrainCase) -> int:
     """Run ``preflight`` on every rank; raise the first problem; return how many plan keys
     were checked. Weights must agree on every rank and with the parent's own build."""
@@ -226,8 +253,10 @@ def check_on_ranks(pool, case: TrainCase) -> int:
             raise UsageError(f"model_fn builds different weights on rank {rank} than in this process "
                              f"({differ[0]} differs): build them from torch's global RNG, which "
                              "tpdp-verify seeds before calling model_fn, or seed them alike everywhere")
-    plan = case.user.plan
-    return len(plan) if not callable(plan) else len(pool.run(_plan_keys, case)[0])
+    user = case.user
+    if user.parallelize_fn is not None:
+        return pool.run(_sharded, case)[0]
+    return len(user.plan) if not callable(user.plan) else len(pool.run(_plan_keys, case)[0])
 
 
 def _plan_keys(case: TrainCase) -> list[str]:
@@ -238,16 +267,34 @@ def _plan_keys(case: TrainCase) -> list[str]:
     return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, MESH_DIMS)["tp"]))
 
 
+def _sharded(case: TrainCase) -> int:
+    """On every rank: how many parameters the user's parallelize function makes DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from tpdp_verify.ranks.loop import build, fixture
+    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.tp_dp import MESH_DIMS, apply_tp
+
+    model = apply_tp(fixture(case), case, build(case), device_mesh(case.mesh_shape, MESH_DIMS))
+    return sum(isinstance(p, DTensor) for p in model.parameters())
+
+
 # ------------------------------------------------------------------ the API
 
 
 def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, dp, dtype, batch,
-              accumulate, ddp_options, loss_parallel, seed) -> TrainCase:
+              accumulate, ddp_options, loss_parallel, seed, parallelize_fn=None) -> TrainCase:
     """The TrainCase of a verify_plan call, its arguments checked."""
     if not callable(model_fn) or not callable(input_fn):
         raise UsageError("model_fn and input_fn must be callables: model_fn() -> nn.Module, "
                          "input_fn(n, generator) -> the input of n samples")
-    if not (callable(plan) or isinstance(plan, dict)):
+    if (plan is None) == (parallelize_fn is None):
+        raise UsageError("give a plan (module path -> ParallelStyle) or parallelize_fn(model, mesh), "
+                         f"{'not both' if plan is not None else 'one of them'}")
+    if parallelize_fn is not None and not callable(parallelize_fn):
+        raise UsageError(f"parallelize_fn is a {type(parallelize_fn).__name__}; give a function "
+                         "(model, mesh) -> model that applies your TP to mesh['tp']")
+    if plan is not None and not (callable(plan) or isinstance(plan, dict)):
         raise UsageError(f"plan is a {type(plan).__name__}; give a dict as parallelize_module takes it "
                          "(module path -> ParallelStyle) or a function tp_mesh -> dict")
     if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2
@@ -267,13 +314,14 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
         ddp = DDPOptions(**(ddp_options or {}))
     except TypeError as exc:
         raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.training.DDPOptions") from None
-    user = UserModel(model_fn, plan if callable(plan) else tuple(plan.items()), input_fn, loss_fn,
-                     optimizer_fn, loss_parallel)
+    user = UserModel(model_fn, plan if plan is None or callable(plan) else tuple(plan.items()), input_fn,
+                     loss_fn, optimizer_fn, loss_parallel, parallelize_fn)
     return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
                      accumulate=accumulate, local_batch=batch // mesh[0], seed=seed, dtype=name, user=user)
 
 
-def verify_plan(model_fn: Callable[[], nn.Module], plan, *, mesh: tuple[int, int] = (1, 2),
+def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn: Callable | None = None,
+                mesh: tuple[int, int] = (1, 2),
                 input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
                 steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "ddp",
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
@@ -286,7 +334,10 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan, *, mesh: tuple[int, int
     ``model_fn()`` builds the unsharded model from torch's global RNG (seeded with ``seed``
     first, alike on every rank). ``plan`` is what ``parallelize_module`` takes: a dict of
     module path (fnmatch wildcards per atom) -> ParallelStyle, or a function of the tp
-    mesh returning one. ``input_fn(n, generator)`` returns the input of ``n`` samples
+    mesh returning one. Or, in place of a plan, ``parallelize_fn(model, mesh)``: the user's
+    own function that applies TP (and any fix-up, such as re-tying weights) to the model,
+    given the whole (dp, tp) mesh as torchtitan's parallelize functions are; it returns
+    the model. tpdp-verify still wraps DP per ``dp``. ``input_fn(n, generator)`` returns the input of ``n`` samples
     (dim 0), or a dict with it under "input" and any targets; draw from ``generator``.
     ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
     weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
@@ -304,7 +355,8 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan, *, mesh: tuple[int, int
 
     case = make_case(model_fn, plan, mesh=mesh, input_fn=input_fn, loss_fn=loss_fn, steps=steps,
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
-                     ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed)
+                     ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
+                     parallelize_fn=parallelize_fn)
     check_inputs(case)
     world = case.dp * case.tp
     if pool is not None and pool.world_size != world:
@@ -319,13 +371,15 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan, *, mesh: tuple[int, int
     finally:
         if owned:
             pool.close()
-    return Report.of(case, keys, one, plain, replay or _replay(case, impl))
+    return Report.of(case, keys, one, plain, replay or _replay(case, impl),
+                     f"parallelize_fn made {keys} parameters DTensors" if parallelize_fn is not None else None)
 
 
 def _replay(case: TrainCase, impl: str) -> str:
     u = case.user
-    args = [name_of(u.model_fn), "<plan>" if not callable(u.plan) else name_of(u.plan),
-            f"mesh={case.mesh_shape}", f"input_fn={name_of(u.input_fn)}"]
+    tp = (f"parallelize_fn={name_of(u.parallelize_fn)}" if u.parallelize_fn is not None else
+          "<plan>" if not callable(u.plan) else name_of(u.plan))
+    args = [name_of(u.model_fn), tp, f"mesh={case.mesh_shape}", f"input_fn={name_of(u.input_fn)}"]
     args += [f"{k}={name_of(v)}" for k, v in (("loss_fn", u.loss_fn), ("optimizer_fn", u.optimizer_fn)) if v]
     dp = next(k for k, v in DP.items() if v == case.entry)
     args += [f"steps={case.steps}", f"dp={dp!r}", f"dtype=torch.{case.dtype}",

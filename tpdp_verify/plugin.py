@@ -91,9 +91,10 @@ class Tpdp:
     def __init__(self, pool: RankPool, impl: str, mesh: tuple[int, int]):
         self.pool, self.impl, self.mesh = pool, impl, mesh
 
-    def verify_plan(self, model_fn, plan, **kwargs):
-        """tpdp_verify.verify_plan with this test's pool, mesh and implementation; returns
-        the Report when every check passes, else fails the test with it."""
+    def verify_plan(self, model_fn, plan=None, **kwargs):
+        """tpdp_verify.verify_plan (a plan, or parallelize_fn=) with this test's pool, mesh
+        and implementation; returns the Report when every check passes, else fails the test
+        with it."""
         from tpdp_verify.errors import UsageError
         from tpdp_verify.plan import verify_plan
 

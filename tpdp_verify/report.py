@@ -103,12 +103,15 @@ class Report:
     replay: str
 
     @classmethod
-    def of(cls, case: TrainCase, plan_keys: int, one: Verdict, plain: Verdict, replay: str) -> Report:
+    def of(cls, case: TrainCase, plan_keys: int, one: Verdict, plain: Verdict, replay: str,
+           plan_detail: str | None = None) -> Report:
+        """``plan_keys``: the plan's keys checked (or the parameters a parallelize function
+        sharded, as ``plan_detail`` says)."""
         lines = {name: Line(name) for name in CHECKS}
         keys = lines["plan keys resolve"]
         for _ in range(plan_keys):
             keys.add(True)
-        keys.detail = f"{plan_keys} keys, each matching a module, each style fitting it"
+        keys.detail = plan_detail or f"{plan_keys} keys, each matching a module, each style fitting it"
         for c in one.checks:
             lines[_section(c.name)].add(c.ok, f"{c.name}: {c.detail}")
         for r in one.rows:

@@ -4,7 +4,8 @@
 binds tpdp_verify.impls.transform, and any other name is a dotted path to a module, or to an
 object in a module (a class is instantiated), that defines the same functions under the
 names in ``FUNCTIONS`` (torch's names without the leading underscore): a patched torch, a
-user's own transform, or a subclass of ``tpdp_verify.impls.transform.Transform``. Ranks load the implementation by name, so it must import there too.
+user's own transform, or a subclass of ``tpdp_verify.impls.transform.Transform``. Ranks
+load the implementation by name, so it must import there too.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ FSDP_FUNCTIONS = (
 def load_fsdp(name: str = "torch", device_type: str = "cpu") -> SimpleNamespace:
     """The FSDP extension functions of implementation ``name``, as ``load`` does for the
     transform: ``torch`` binds a ``DTensorExtensions`` as FSDP1 builds it on the rank's
-    device (``device_type``: tpdp_verify.ranks.pool.device_type() in a rank), ``reference`` binds tpdp_verify.impls.fsdp_extension.FSDPExtension, any other name is
-    a dotted path to a module or object (a class is instantiated) defining FSDP_FUNCTIONS."""
+    device (``device_type``: tpdp_verify.ranks.pool.device_type() in a rank), ``reference``
+    binds tpdp_verify.impls.fsdp_extension.FSDPExtension, any other name is a dotted path to
+    a module or object (a class is instantiated) defining FSDP_FUNCTIONS."""
     if name == "torch":
         import torch
         from torch.distributed.fsdp._common_utils import _FSDPDeviceHandle

@@ -190,7 +190,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     problems, outputs, losses = [], [], []
     for d, group in sorted(groups.items()):
         out, out_problems = _merged_steps("output", [[{"": o} for o in t.outputs] for t in group], "microbatch")
-        loss, loss_problems = _merged_steps("loss", [[{"": torch.tensor(x)} for x in t.losses] for t in group], "microbatch")
+        loss, loss_problems = _merged_steps("loss", [[{"": torch.tensor(x)} for x in t.losses] for t in group],
+                                            "microbatch")
         problems += [f"dp group {d}: {p}" for p in out_problems + loss_problems]
         outputs.append([o[""] for o in out])
         losses.append([float(x[""]) for x in loss])

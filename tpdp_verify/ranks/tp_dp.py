@@ -59,6 +59,16 @@ def plan_for(fx, case: TrainCase, tp_mesh) -> dict:
     return plan(tp_mesh) if callable(plan) else plan
 
 
+def apply_tp(fx, case: TrainCase, model, mesh):
+    """TP as the fixture applies it: its own parallelize function on the (dp, tp) mesh, or
+    parallelize_module with its plan on the tp sub-mesh. Returns the TP'd model."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if fx.parallelize is not None:
+        return fx.parallelize(model, mesh) or model
+    return parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
+
+
 def _failed(stage: str, exc: Exception) -> Trace:
     trace = Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip(),
                   raised=signature.raised(exc))
@@ -70,12 +80,10 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     """The case's model from ``seed`` (default the case's), TP'd on mesh["tp"] unless ``tp``
     is False: (model, its parameters before any DP wrapper, the optimizer the case builds
     before wrapping or None)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     fx = fixture(case)
     model = build(case if seed is None else dataclasses.replace(case, seed=seed))
     if tp:
-        parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
+        model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
             fx.after_parallelize(model)
     before = dict(model.named_parameters(remove_duplicate=False))
