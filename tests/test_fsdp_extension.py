@@ -94,12 +94,16 @@ def test_torch_chunk_tensor_misplaces_the_local_block(tpdp_pools):
 
 
 def test_torch_chunk_tensor_overlaps_uneven_shards(tpdp_pools):
-    """Floor-sized offsets (3 // 4 = 0) for an uneven tp shard: the blocks overlap."""
+    """Floor-sized offsets (3 // 4 = 0) for an uneven tp shard: the blocks of the ranks that
+    hold a row overlap, and the rank that holds none finds the shards do not cover the tensor."""
     case = FSDPCase(mesh_shape=(1, 4), tp_placement=Shard(0), shape=(3,), dtype=torch.float32, seed=0)
     with pytest.raises(AssertionError) as info:
         chunk_tensor_metadata.fn(tpdp_pools.get(4), "torch", case=case)
-    assert "chunk_tensor runs (ranks 0, 1, 2, 3): ValueError: Shards ShardMetadata" in str(info.value)
-    assert "overlap" in str(info.value)
+    lines = str(info.value).splitlines()
+    assert any(line.startswith("  chunk_tensor runs (ranks 0, 1, 2): ValueError: Shards ShardMetadata")
+               and line.endswith("overlap") for line in lines), lines
+    assert "  chunk_tensor runs (rank 3): ValueError: Total volume of shards: 0 does not match tensor volume: 3, " \
+           "in other words all the individual shards do not cover the entire tensor" in lines
 
 
 @pytest.mark.parametrize("mutant", fsdp_mutants.MUTANTS, ids=lambda m: m.__name__)
