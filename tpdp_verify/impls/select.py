@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from types import SimpleNamespace
+from typing import Callable
 
 from tpdp_verify.errors import UsageError
 
@@ -52,7 +53,8 @@ def load(name: str = "torch") -> SimpleNamespace:
     if name == "torch":
         return _torch()
     return _load(name, "implementation", FUNCTIONS, "tpdp_verify.impls.transform",
-                 "tpdp_verify.impls.transform.Transform", "tpdp_verify.impls.fsdp_extension.FSDPExtension")
+                 "tpdp_verify.impls.transform.Transform", "tpdp_verify.impls.fsdp_extension.FSDPExtension",
+                 _torch, FSDP_FUNCTIONS)
 
 
 # Where torch's DP entry points look the transform up: DDP(device_mesh=...) and replicate
@@ -124,14 +126,17 @@ def load_fsdp(name: str = "torch", device_type: str = "cpu") -> SimpleNamespace:
         ext = DTensorExtensions(_FSDPDeviceHandle.from_device(torch.device(device_type)))
         return SimpleNamespace(name="torch", **{f: getattr(ext, f) for f in FSDP_FUNCTIONS})
     reference = "tpdp_verify.impls.fsdp_extension.FSDPExtension"
-    return _load(name, "FSDP extension", FSDP_FUNCTIONS, reference, reference, "tpdp_verify.impls.transform.Transform")
+    return _load(name, "FSDP extension", FSDP_FUNCTIONS, reference, reference, "tpdp_verify.impls.transform.Transform",
+                 lambda: load_fsdp("torch", device_type), FUNCTIONS)
 
 
 def _load(name: str, what: str, functions: tuple[str, ...], reference: str, reference_class: str,
-          sibling_class: str) -> SimpleNamespace:
+          sibling_class: str, torchs: Callable[[], SimpleNamespace], siblings: tuple[str, ...]) -> SimpleNamespace:
     """``functions`` of ``name`` (``reference`` for "reference", else a dotted path; a class
     is instantiated). A variant of the other family's reference (``sibling_class``: a
-    mutant of it) keeps this family's reference (``reference_class``) for what it lacks."""
+    mutant of it) keeps this family's reference (``reference_class``) for what it lacks;
+    an implementation of the other family only (all of ``siblings``, none of ``functions``:
+    a patched torch transform) keeps torch's (``torchs``)."""
     try:
         source = _resolve(reference if name == "reference" else name)
     except ImportError as exc:
@@ -143,6 +148,8 @@ def _load(name: str, what: str, functions: tuple[str, ...], reference: str, refe
     missing = [f for f in functions if not callable(getattr(source, f, None))]
     if missing and isinstance(source, _resolve(sibling_class)):
         return _with(name, functions, source, _resolve(reference_class)())
+    if len(missing) == len(functions) and all(callable(getattr(source, f, None)) for f in siblings):
+        return SimpleNamespace(**{**vars(torchs()), "name": name})
     if missing:
         raise UsageError(
             f"{what} {name!r} lacks {', '.join(missing)}; it must define all of "
