@@ -231,7 +231,7 @@ def _parallelize_problems(parallelize_fn, model: nn.Module, mesh) -> list[str]:
     unresolved = [f"parallelize_fn {name}: {w.message}" for w in caught if "could not be resolved" in str(w.message)]
     if unresolved:
         return unresolved
-    if not any(isinstance(p, DTensor) for p in (out or model).parameters()):
+    if not any(isinstance(p, DTensor) for p in (model if out is None else out).parameters()):
         return [f"parallelize_fn {name} left every parameter a plain tensor: apply TP to the tp dimension of "
                 "the mesh it is given (parallelize_module(model, mesh['tp'], plan))"]
     return []

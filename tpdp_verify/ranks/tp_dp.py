@@ -65,7 +65,8 @@ def apply_tp(fx, case: TrainCase, model, mesh):
     from torch.distributed.tensor.parallel import parallelize_module
 
     if fx.parallelize is not None:
-        return fx.parallelize(model, mesh) or model
+        out = fx.parallelize(model, mesh)
+        return model if out is None else out
     return parallelize_module(model, mesh["tp"], plan_for(fx, case, mesh["tp"]))
 
 
