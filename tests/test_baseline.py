@@ -100,6 +100,38 @@ def test_a_bad_baseline_is_one_line(tmp_path, text, expected):
     assert "\n" not in str(excinfo.value)
 
 
+@pytest.mark.timeout(300)
+def test_updating_a_baseline_keeps_what_the_new_draw_missed_and_drops_what_is_fixed(tmp_path):
+    """A draw meets only some faults: --update-baseline on an existing file keeps each
+    recorded case that still fails (rerun), or that this run did not reach, and drops the
+    fixed ones."""
+    import os
+
+    from toy_suite import RARE
+
+    def recorded(n, part, world_size=2):
+        return {"property": "rare", "world_size": world_size, "signature": [part], "case": {"n": repr(n)},
+                "types": [], "summary": "recorded"}
+
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps({"schema": baseline.SCHEMA, "torch": "x", "profile": "smoke", "impl": "torch",
+                                "known": [recorded(RARE, "check:toy-avoids-rare"),  # still fails, not drawn
+                                          recorded(500, "check:toy-was-fixed"),  # passes now
+                                          recorded(RARE, "check:toy-avoids-rare", world_size=4)]}))  # not run
+    tests = os.path.dirname(__file__)
+    out = subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", "--suite", "toy_suite", "--baseline",
+                          str(path), "--update-baseline"], capture_output=True, text=True, timeout=280,
+                         env={**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "FIXED    rare" in out.stdout and "1 fixed dropped" in out.stdout
+    _, known = baseline.load(str(path))
+    rare, met = ("check:toy-avoids-rare",), ("check:toy-stays-large",)
+    cases = {(k.world_size, k.signature): k.case["n"] for k in known}
+    assert set(cases) == {(2, rare), (2, met), (4, rare)}  # the fixed one dropped
+    assert cases[2, rare] == cases[4, rare] == repr(RARE)  # kept: still fails; world size 4 did not run
+    assert int(cases[2, met]) < 100  # met by this run's draw
+
+
 def test_the_shipped_baseline_loads_by_name_and_every_case_rebuilds():
     header, known = baseline.load("torch-2.13.0")
     assert header["torch"].startswith("2.13.0") and known

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tpdp_verify.errors import RankDied, RankFailed, RankTimeout, UsageError
+from tpdp_verify.ranks import pool as pool_module
 from tpdp_verify.ranks.pool import BASELINE_CALL, RankPool
 
 import rank_fns
@@ -127,6 +128,26 @@ def test_per_call_timeout_overrides_the_pool_default(pool):
     assert all("in sleep" in stack for stack in info.value.stacks.values())
     assert info.value.pending == "" and "pending:" not in str(info.value)  # no collective
     assert pool.run(rank_fns.sleep, 0.0) == [0.0] * 4
+
+
+@pytest.mark.timeout(90)
+def test_after_a_hang_the_next_hang_is_cut_at_a_multiple_of_the_slowest_answered_call(monkeypatch):
+    monkeypatch.setattr(pool_module, "HANG_FLOOR", 1.0)
+    with RankPool(2, "gloo", timeout=8.0, after_hang=3.0) as pool:
+        pool.run(rank_fns.sleep, 0.5)  # the slowest call that answers: about 0.5 s
+        hangs = []
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(RankTimeout) as info:
+                pool.run(rank_fns.lone_collective, 0)
+            hangs.append((time.monotonic() - start, str(info.value)))
+        (first, said_first), (second, said_second) = hangs
+        assert first >= 8.0 and "within the 8 s timeout" in said_first  # the first hang: the whole timeout
+        cut = 3.0 * pool.slowest
+        assert 1.5 <= cut < 4.0 and cut <= second < 8.0, (cut, second)
+        assert f"within the {cut:g} s timeout" in said_second
+        assert pool.run(rank_fns.sleep, 3.0, timeout=6.0) == [3.0] * 2  # a call's own timeout still wins
+        assert pool.run(rank_fns.sleep, 0.0) == [0.0] * 2
 
 
 def test_taking_the_stacks_does_not_disturb_a_running_call(pool):

@@ -48,6 +48,9 @@ _STOP = b"stop"
 # and costs a fresh generation, about 3 s, every few hundred such cases.
 MAX_RSS_GROWTH = 0.08
 BASELINE_CALL = 20  # a generation's size is taken after this call: imports and meshes are in
+# the shortest hang timeout after a first hang (RankPool's after_hang): a first call after a
+# respawn (meshes, imports) takes a few seconds on 2 cores, a release case at world size 8 more
+HANG_FLOOR = 20.0
 
 # ---------------------------------------------------------------------------
 # Inside a rank: state and helpers that functions sent by ``run`` may use.
@@ -286,6 +289,7 @@ class _Ranks:
         import torch.distributed as dist
 
         ctx = multiprocessing.get_context("spawn")
+        self.limit = start_timeout  # the running call's timeout, for its message
         self.store = dist.TCPStore(
             "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=start_timeout),
@@ -356,7 +360,7 @@ class _Ranks:
                 pending_in = _pending(stacks)
                 raise RankTimeout(
                     f"{_ranks_text(pending)} of {len(self.conns)} did not answer within the "
-                    f"timeout running {what}"
+                    f"{self.limit:g} s timeout running {what}"
                     + (f" ({_ranks_text(replies)} answered)" if replies else "")
                     + "; the ranks were killed and the next run respawns them"
                     + (f"\npending: {pending_in}" if pending_in else ""),
@@ -396,7 +400,7 @@ class _Ranks:
         self.outgrown = any(rss.get(r, 0) > size * (1 + growth) for r, size in self.baseline.items() if size)
 
     def call(self, payload: bytes, what: str, timeout: float, grace: float) -> dict[int, tuple]:
-        self.busy = True
+        self.busy, self.limit = True, timeout
         for conn in self.conns:
             conn.send_bytes(payload)
         replies = self.collect(what, time.monotonic() + timeout, grace)
@@ -425,6 +429,11 @@ class RankPool:
             decisions and fake-tensor dispatches per tensor shape, without bound, so a
             rank that sees thousands of new shapes grows steadily (docs/performance.md).
             Spawned pools on Linux only: under torchrun the launcher owns the ranks.
+        after_hang: once a run has hung, later runs count as hung after this many times
+            the slowest run that answered (at least HANG_FLOOR seconds, at most
+            ``timeout``), unless a run names its own timeout. A build that hangs once
+            hangs in many cases, and shrinking replays them: each would cost the whole
+            timeout. ``None``: always ``timeout``.
     """
 
     def __init__(
@@ -436,6 +445,7 @@ class RankPool:
         start_timeout: float = 180.0,
         error_grace: float = 10.0,
         max_rss_growth: float | None = None,
+        after_hang: float | None = None,
     ):
         self.attached = _under_launcher()
         if self.attached:
@@ -456,6 +466,9 @@ class RankPool:
         self.backend = _choose_backend(backend, world_size)
         self.timeout, self.start_timeout, self.error_grace = timeout, start_timeout, error_grace
         self.max_rss_growth = max_rss_growth
+        self.after_hang = after_hang
+        self.hung = False  # a run has hung (see after_hang)
+        self.slowest = 0.0  # seconds of the slowest run that answered
         self.spawns = 0  # how many generations of ranks this pool has started
         self._ranks: _Ranks | None = None
         if self.attached:
@@ -551,16 +564,24 @@ class RankPool:
                 self._retire(graceful=True)  # before the call, so the ranks that answered stay up
             if self._ranks is None:
                 self._start()
+            start = time.monotonic()
             try:
-                replies = self._ranks.call(payload, what, timeout or self.timeout, self.error_grace)
-            except BaseException:  # hang, death, or the caller interrupted (Ctrl-C, timeout)
+                replies = self._ranks.call(payload, what, timeout or self._timeout(), self.error_grace)
+            except BaseException as exc:  # hang, death, or the caller interrupted (Ctrl-C, timeout)
+                self.hung = self.hung or isinstance(exc, RankTimeout)
                 self._retire(graceful=False)
                 raise
+            self.slowest = max(self.slowest, time.monotonic() - start)
             if self._ranks.busy:
                 self._retire(graceful=False)
             elif self.max_rss_growth:
                 self._ranks.note(replies, self.max_rss_growth)
         return self._results(what, replies)
+
+    def _timeout(self) -> float:
+        if not (self.hung and self.after_hang):
+            return self.timeout
+        return min(self.timeout, max(HANG_FLOOR, self.after_hang * self.slowest))
 
     def _gather_attached(self, payload: bytes) -> dict[int, tuple]:
         import torch.distributed as dist
@@ -587,7 +608,7 @@ class RankPool:
         message = f"{what} raised on {_ranks_text(errors)} of {self.world_size}"
         if stuck:
             message += (
-                f"; {_ranks_text(stuck)} were still busy {self.error_grace:g} s later "
+                f"; {_ranks_text(stuck)} {'was' if len(stuck) == 1 else 'were'} still busy {self.error_grace:g} s later "
                 "(waiting in a collective for the failed rank?), so the ranks were restarted"
             )
         message += f"\n--- rank {first} ---\n{errors[first][1].rstrip()}"

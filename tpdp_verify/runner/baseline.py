@@ -94,10 +94,12 @@ def entries(outcomes) -> list[Known]:
             for o in outcomes for f in o.findings if f.drawn is not None and f.signature and f.status != "FIXED"]
 
 
-def write(path: str, outcomes, profile: str, impl: str) -> int:
+def write(path: str, outcomes, profile: str, impl: str, keep: list[Known] = ()) -> int:
+    """Write a baseline of the run's divergences and ``keep`` (recorded entries this run
+    did not reach: a world size or property it left out); the number of entries."""
     import torch
 
-    known = entries(outcomes)
+    known = list({k.key: k for k in [*keep, *entries(outcomes)]}.values())
     doc = {"schema": SCHEMA, "torch": torch.__version__, "profile": profile, "impl": impl,
            "known": [k.to_json() for k in known]}
     try:
@@ -137,6 +139,17 @@ def load(name: str) -> tuple[dict, list[Known]]:
                            tuple(k.get("types", ())), k.get("summary", "")) for k in doc["known"]]
     except (KeyError, TypeError) as exc:
         raise UsageError(f"{path}: an entry lacks {exc}; rewrite it with --update-baseline") from None
+
+
+def recorded(name: str) -> tuple[dict, list[Known]] | None:
+    """The baseline ``--update-baseline`` adds to: the file's entries if it is one of this
+    schema, else None (nothing to keep: it is written afresh). A search meets only the
+    faults its draw reaches, and another draw (a new seed, a moved strategy) reaches
+    others: writing only this run's would drop faults the build still has."""
+    try:
+        return load(name)
+    except UsageError:
+        return None
 
 
 @dataclass
@@ -199,7 +212,7 @@ def rerun_finding(listed: Known, now: signature.Signature, status: str):
     return Finding(text, "", listed.kind, listed.drawn(), now or listed.signature, status)
 
 
-def judgement_report(j: Judgement, header: dict, name: str) -> str:
+def judgement_report(j: Judgement, header: dict, name: str, updating: bool = False) -> str:
     width = max([len(k.property) for k in j.known + j.new + j.fixed + j.not_run + [c for c, _ in j.changed]]
                 + [8])
 
@@ -213,7 +226,7 @@ def judgement_report(j: Judgement, header: dict, name: str) -> str:
     out += [line("known", k) for k in j.known]
     out += [line("not run", k, " (not in this run)") for k in j.not_run]
     out.append(f"against the baseline: {len(j.new)} new, {len(j.changed)} changed, {len(j.fixed)} fixed, "
-               f"{len(j.known)} known" + (": blocks" if j.blocks else ": passes"))
+               f"{len(j.known)} known" + (": recorded" if updating else ": blocks" if j.blocks else ": passes"))
     return "\n".join(out)
 
 

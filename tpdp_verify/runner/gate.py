@@ -24,6 +24,10 @@ from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
 from tpdp_verify.impls import select as impl_mod
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+
+# once ranks have hung, a call counts as hung after 5x the slowest call that answered (the
+# pool's after_hang): a build that hangs, hangs in many cases, and a full timeout each is hours
+AFTER_HANG = 5.0
 from tpdp_verify.runner.profiles import Profile
 from tpdp_verify.runner.property import Property, Stats, finding
 
@@ -54,6 +58,7 @@ class Outcome:
     findings: list[Finding] = field(default_factory=list)
     backend: str = ""  # the process group's, as the pool chose it
     wanted: int = 0  # examples the profile asks this property to draw
+    unshrunk: bool = False  # the gate's shrinking budget was spent before this search ran
 
     def judged(self) -> None:
         """The status from the findings' own, once a baseline has judged them."""
@@ -194,16 +199,21 @@ def iter_gate(
     plan = [(ws, [p for p in properties if ws >= p.min_world_size]) for ws in profile.world_sizes]
     total = sum(len(todo) for _, todo in plan)
     done = failed = 0
-    start = time.monotonic()
+    start, shrinking = time.monotonic(), 0.0
     for world_size, todo in plan:
         if not todo:
             continue
         up = time.monotonic()
-        with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH) as pool:
+        with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH,
+                      after_hang=AFTER_HANG) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
                 parts = None if known is None else known.get(prop.name, set())
-                outcome = check_property(prop, pool, impl, profile, progress, every, parts, learn)
+                run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking) if profile.shrink \
+                    else profile
+                outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn)
+                outcome.unshrunk = profile.shrink and not run_profile.shrink
+                shrinking += outcome.stats.shrink_seconds
                 done, failed = done + 1, failed + (outcome.status in ("diverges", "infra"))
                 progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
                          f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
@@ -256,6 +266,11 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn}"
                                f"{', ' + o.stats.stopped_because if o.stats.stopped_because else ''})"
                                for o in short))
+    unshrunk = [o for o in outcomes if o.unshrunk]
+    if unshrunk:
+        out.append(f"the gate spent its {profile.shrink_total:g} s of shrinking ({profile.name}); "
+                   f"{len(unshrunk)} later searches reported their failures as first found: "
+                   + ", ".join(f"{o.property} (world {o.world_size})" for o in unshrunk))
     out += list(excluded)
     for o in outcomes:
         if o.status != "pass":
@@ -273,6 +288,7 @@ def outcome_report(o: Outcome) -> str:
     for f in (f for f in o.findings if f.status != "known"):
         out += ["", f"{f.status or 'found'}: {f.kind}", f"signature: {', '.join(f.signature)}", f.failure]
         if f.replay:
+            out += ["(the case as first found: the gate's shrinking budget was spent)"] if o.unshrunk else []
             out += [REPLAY, f.replay.rstrip()]
     known = [f.kind for f in o.findings if f.status == "known"]
     if known:

@@ -8,6 +8,7 @@ failure printed by CI replays locally.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, Phase, settings
@@ -24,6 +25,16 @@ class Profile:
     budget: float = 0.0  # seconds a gate run should take on a 2-core machine, pool start included
     seed: int | None = None  # None: each property's own fixed seed (derandomized); else this one
     shrink_seconds: int = 300  # the most a property's run spends shrinking (hypothesis's own cap: 300)
+    # the most a whole gate run spends shrinking: once spent, later properties report each
+    # failure as first found. A build that breaks many properties (a crash in a path every
+    # case takes) would otherwise spend shrink_seconds on each, twice.
+    shrink_total: float = 1200
+
+    def with_shrinking_left(self, seconds: float) -> "Profile":
+        """This profile for a run that may spend only ``seconds`` more shrinking."""
+        if seconds <= 0:
+            return dataclasses.replace(self, shrink=False)
+        return dataclasses.replace(self, shrink_seconds=min(self.shrink_seconds, max(1, int(seconds))))
 
     @property
     def settings(self) -> settings:
@@ -39,8 +50,8 @@ PROFILES = {
         # smoke reports each property's first new failure unshrunk: with failures told apart
         # by signature, shrinking every one the search meets took minutes, not one
         Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60),
-        Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300, shrink_seconds=60),
-        Profile("release", max_examples=200, world_sizes=(2, 4, 8), budget=1200),
+        Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300, shrink_seconds=60, shrink_total=180),
+        Profile("release", max_examples=200, world_sizes=(2, 4, 8), budget=1200, shrink_total=1200),
     )
 }
 

@@ -36,6 +36,7 @@ class Stats:
     known: int = 0  # examples whose every failure a baseline knows: counted, not raised
     known_seen: dict = field(default_factory=dict)  # signature -> the first example that showed it
     stopped_because: str = ""  # why hypothesis stopped generating, in its words
+    shrink_seconds: float = 0.0  # spent shrinking (and explaining) what the search found
     failing: dict | None = None  # drawn arguments of the last failing example (the shrunk one)
     # the same, a kind of failure (exception type) each: hypothesis shrinks distinct bugs apart
     failures: dict = field(default_factory=dict)
@@ -214,6 +215,8 @@ class Property:
             cases = statistics.get("generate-phase", {}).get("test-cases", [])
             stats.drawn = sum(c["status"] in ("valid", "interesting") for c in cases)
             stats.stopped_because = statistics.get("stopped-because", "")
+            stats.shrink_seconds = sum(statistics.get(f"{phase}-phase", {}).get("duration-seconds", 0.0)
+                                       for phase in ("shrink", "explain"))
 
         test = profile.settings(given(**strategies)(run_one))
         if profile.seed is not None:

@@ -1,0 +1,27 @@
+"""The gate's own bounds, on toy properties over a real pool: shrinking has a budget for the
+whole run, so a build that breaks many properties still gets a verdict in bounded time."""
+
+import dataclasses
+
+import pytest
+
+from tpdp_verify.runner import profiles
+from tpdp_verify.runner.gate import run_gate, summary
+
+from toy_suite import first, second
+
+
+@pytest.mark.timeout(300)
+def test_once_the_shrinking_budget_is_spent_later_failures_come_as_first_found():
+    profile = dataclasses.replace(profiles.get("ci"), world_sizes=(2,), shrink_total=0.01)
+    outcomes = run_gate((first, second), profile, "reference", progress=lambda line: None)
+    shrunk, unshrunk = outcomes
+    assert [o.status for o in outcomes] == ["diverges", "diverges"]
+    assert not shrunk.unshrunk and shrunk.stats.shrink_seconds >= 0.01
+    assert shrunk.findings[0].drawn == {"n": 11}  # shrunk to the boundary
+    assert unshrunk.unshrunk and unshrunk.stats.shrink_seconds < 0.01
+    assert unshrunk.findings[0].drawn["n"] > 11 and unshrunk.findings[0].replay  # as drawn, still replayable
+    text = summary(outcomes, profile, "reference", 1.0)
+    assert "the gate spent its 0.01 s of shrinking (ci); 1 later searches reported their failures as first " \
+           "found: second (world 2)" in text
+    assert "(the case as first found: the gate's shrinking budget was spent)" in text
