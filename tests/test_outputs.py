@@ -5,6 +5,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from tpdp_verify import outputs
 from tpdp_verify.errors import UsageError
@@ -39,8 +40,9 @@ def test_json_counts_and_keys():
     assert data["properties"][0]["report"] == "" and data["properties"][1]["findings"][0]["replay"]
     assert list(data["properties"][0]) == ["name", "world_size", "backend", "status", "drawn", "wanted",
                                            "drew_fewer", "stopped_because", "covered", "known_only",
-                                           "examples", "passed", "discarded", "seconds", "message",
-                                           "findings", "report"]
+                                           "examples", "passed", "discarded", "seconds", "unshrunk",
+                                           "shrink_seconds", "message", "findings", "report"]
+    assert data["shrink_total"] == profiles.get("ci").shrink_total
     finding = data["properties"][1]["findings"][0]
     assert (finding["status"], finding["signature"]) == ("NEW", list(SIGNATURE))
     assert [p["drew_fewer"] for p in data["properties"]] == [False, True, False, False]
@@ -79,3 +81,30 @@ def test_check_writable_leaves_no_file_and_keeps_an_existing_one(tmp_path):
     assert existing.read_text() == "kept" and not (tmp_path / "new.xml").exists()
     with pytest.raises(UsageError, match=r"^cannot write --markdown .*/no/x.md: No such file"):
         outputs.check_writable({"--markdown": str(tmp_path / "no" / "x.md")})
+
+
+def test_a_plan_report_renders_as_json_junit_and_markdown_that_agree():
+    from tpdp_verify.cases.training import TrainCase
+    from tpdp_verify.judging.verdict import Verdict
+    from tpdp_verify.ranks.observation import Check
+    from tpdp_verify.report import Report
+
+    one = Verdict([Check("trains without an exception", False, "rank 1: in the forward of up: boom | bang")])
+    report = Report.of(TrainCase(model="m:make", mesh_shape=(1, 2)), 2, one, Verdict(against="plain DDP"), "replay")
+    record = json.loads(outputs.to_json(outputs.plan_record(report, 1, "2025-01-01T00:00:00+00:00", 3.0)))
+    assert (record["schema"], record["command"], record["exit_code"]) == (outputs.SCHEMA, "plan", 1)
+    assert record["torch"] == torch.__version__ and not record["ok"]
+    checks = {c["check"]: c for c in record["checks"]}
+    assert checks["plan keys resolve"]["ok"] is True
+    assert checks["trains without an exception"]["ok"] is False
+    assert checks["gradients vs one device"] == {**checks["gradients vs one device"], "ok": None,
+                                                 "detail": "not reached: training raised"}
+    assert "buffers" not in checks  # nothing there: no row
+    suite = ET.fromstring(outputs.to_junit(record)).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == (str(len(checks)), "1")
+    (failed,) = [c for c in suite.findall("testcase") if c.find("failure") is not None]
+    assert failed.get("name") == "trains without an exception"
+    assert int(suite.get("skipped")) == sum(c["ok"] is None for c in checks.values()) > 0
+    markdown = outputs.to_markdown(record)
+    assert markdown.startswith("# tpdp-verify plan: m:make: DIVERGES")
+    assert "| trains without an exception | FAIL | 1 | trains without an exception: rank 1: in the forward of up: boom \\| bang |" in markdown

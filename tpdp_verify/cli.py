@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         "3 infrastructure failure (the harness: ranks would not start, an internal error; "
         "ranks that crash or hang in the code under test are a divergence)",
     )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gate = commands.add_parser("gate", help="run the conformance suite against an implementation")
@@ -73,11 +74,27 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     plan.add_argument("--timeout", type=float, default=120.0,
                       help="seconds one check may take before its ranks count as hung")
-    _output_options(plan, json="the report as JSON")
+    _output_options(plan, json="the report as JSON (keys: docs/cli.md)",
+                    junit="the report as JUnit XML, a test case a check",
+                    markdown="the report as a Markdown table")
 
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
     return parser
+
+
+def _version() -> str:
+    """tpdp-verify's version and the torch it would judge, without importing torch (slow)."""
+    import platform
+    from importlib import metadata
+
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"tpdp-verify {version('tpdp-verify')} (torch {version('torch')}, python {platform.python_version()})"
 
 
 def _output_options(parser: argparse.ArgumentParser, **formats: str) -> None:
@@ -106,6 +123,7 @@ def _gate(args: argparse.Namespace) -> int:
     known = None
     if args.update_baseline:
         outputs.check_writable({"--baseline": args.baseline})
+        known = baseline.recorded(args.baseline)  # merged: each draw meets only some faults
     elif args.baseline:
         known = baseline.load(args.baseline)  # a bad file fails now
 
@@ -139,13 +157,14 @@ def _gate(args: argparse.Namespace) -> int:
     print()
     print(summary(outcomes, profile, args.impl, time.monotonic() - start, suite.summary_lines()))
     code = exit_code(outcomes)
-    if args.update_baseline and code != EXIT_INFRA:
-        count = baseline.write(args.baseline, outcomes, profile.name, args.impl)
-        print(f"\nwrote {count} known divergences to {args.baseline}")
-        code = EXIT_OK
-    elif judged is not None:
+    if judged is not None:
         print()
-        print(baseline.judgement_report(judged, known[0], args.baseline))
+        print(baseline.judgement_report(judged, known[0], args.baseline, args.update_baseline))
+    if args.update_baseline and code != EXIT_INFRA:
+        count = baseline.write(args.baseline, outcomes, profile.name, args.impl, judged.not_run if judged else ())
+        kept = f" (its recorded cases kept where they still fail, {len(judged.fixed)} fixed dropped)" if judged else ""
+        print(f"\nwrote {count} known divergences to {args.baseline}{kept}")
+        code = EXIT_OK
     outputs.write(files, record(code))  # with divergences too: they are what CI shows
     return code
 
@@ -194,8 +213,10 @@ def _named(path: str, what: str):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    files = _outputs(args, "json")
+    files = _outputs(args, "json", "junit", "markdown")
     from tpdp_verify import outputs
+
+    started, start = outputs.now(), time.monotonic()
     from tpdp_verify.plan import verify_plan
 
     model_fn = _named(args.model, "the model")
@@ -209,8 +230,9 @@ def _plan(args: argparse.Namespace) -> int:
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
                          backend=args.backend, timeout=args.timeout, replay="tpdp-verify " + " ".join(sys.argv[1:]))
     print(report)
-    outputs.write(files, report.to_dict())
-    return EXIT_OK if report.ok else EXIT_DIVERGENCE
+    code = EXIT_OK if report.ok else EXIT_DIVERGENCE
+    outputs.write(files, outputs.plan_record(report, code, started, time.monotonic() - start))
+    return code
 
 
 def _env(args: argparse.Namespace) -> int:

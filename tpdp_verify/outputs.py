@@ -94,6 +94,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "impl": impl,
         "profile": profile.name,
         "max_examples": profile.max_examples,
+        "shrink_total": profile.shrink_total if profile.shrink else 0,
         "seed": seed,
         "backend": backend,
         "world_sizes": list(profile.world_sizes),
@@ -120,6 +121,8 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 "passed": o.stats.passed,
                 "discarded": o.stats.discarded,
                 "seconds": round(o.seconds, 3),
+                "unshrunk": o.unshrunk,
+                "shrink_seconds": round(o.stats.shrink_seconds, 3),
                 "message": o.message,
                 "findings": [{"status": f.status or "found", "signature": list(f.signature), "kind": f.kind,
                               "failure": f.failure, "replay": f.replay,
@@ -140,7 +143,53 @@ def _judgement(name: str, judged) -> dict | None:
 
 
 def to_json(record: dict) -> str:
-    return json.dumps(record, indent=2) + "\n"
+    return json.dumps(record, indent=2, allow_nan=False) + "\n"
+
+
+# -- a plan's verdict
+
+
+def plan_record(report, exit_code: int, started: str, seconds: float) -> dict:
+    """A ``plan`` run as plain data: the header every record has, then the report's own keys."""
+    import torch
+
+    return {"schema": SCHEMA, "command": "plan", "tpdp_verify": _version(), "torch": torch.__version__,
+            "python": platform.python_version(), "started": started, "seconds": round(seconds, 3),
+            "exit_code": exit_code, **report.to_dict()}
+
+
+def _plan_junit(record: dict) -> str:
+    """One <testcase> a check of the report; a failed check is a <failure> with its detail."""
+    checks = record["checks"]
+    totals = {"tests": str(len(checks)), "failures": str(sum(c["ok"] is False for c in checks)), "errors": "0",
+              "skipped": str(sum(c["ok"] is None for c in checks)), "time": f"{record['seconds']:.3f}"}
+    root = ET.Element("testsuites", name="tpdp-verify plan", **totals)
+    suite = ET.SubElement(root, "testsuite", name=f"tpdp-verify plan {record['case']['model']}", **totals,
+                          timestamp=record["started"])
+    properties = ET.SubElement(suite, "properties")
+    for key in ("tpdp_verify", "torch", "python", "exit_code"):
+        ET.SubElement(properties, "property", name=key, value=str(record[key]))
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname="tpdp_verify.plan", name=c["check"], time="0")
+        if c["ok"] is False:
+            ET.SubElement(case, "failure", message=_one_line(c["detail"]), type="diverges").text = \
+                _xml_text(record["report"])
+        elif c["ok"] is None:
+            ET.SubElement(case, "skipped", message=_one_line(c["detail"]))
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _plan_markdown(record: dict) -> str:
+    c = record["case"]
+    out = [f"# tpdp-verify plan: {c['model']}: {'PASS' if record['ok'] else 'DIVERGES'}", "",
+           f"torch {record['torch']}, mesh (dp={c['mesh'][0]}, tp={c['mesh'][1]}), dp={c['dp']}, {c['steps']} steps, "
+           f"{c['dtype']}: {record['seconds']:.1f} s, exit code {record['exit_code']}.", "",
+           "| check | result | compared | detail |", "| --- | --- | ---: | --- |"]
+    out += [f"| {x['check']} | {'ok' if x['ok'] else 'not compared' if x['ok'] is None else 'FAIL'} | "
+            f"{x['compared']} | {_cell(x['detail'])} |" for x in record["checks"]]
+    out += ["", *_fenced(record["report"])]
+    return "\n".join(out) + "\n"
 
 
 def to_junit(record: dict) -> str:
@@ -149,6 +198,8 @@ def to_junit(record: dict) -> str:
     <error>, and so is a run that stopped early. A property whose failures a baseline all
     knows passes, its known findings listed in <system-out>: CI is green exactly when the
     gate exits 0."""
+    if record["command"] == "plan":
+        return _plan_junit(record)
     props, counts, error = record["properties"], record["counts"], record["error"]
     totals = {"tests": len(props) + bool(error), "failures": counts["diverges"],
               "errors": counts["infra"] + bool(error), "skipped": 0}
@@ -184,6 +235,8 @@ def to_junit(record: dict) -> str:
 
 def to_markdown(record: dict) -> str:
     """A table for people (a CI job summary, a pull request), then each failure's report."""
+    if record["command"] == "plan":
+        return _plan_markdown(record)
     c = record["counts"]
     out = [
         f"# tpdp-verify gate: {c['pass']} passed, {c['known']} known only, {c['diverges']} diverged, "
@@ -215,6 +268,10 @@ def to_markdown(record: dict) -> str:
             out += ["", f"## {p['name']} (world size {p['world_size']}): {p['status']}", "",
                     *_fenced(p["report"])]
     return "\n".join(out) + "\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def _one_line(text: str, limit: int = 300) -> str:

@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tpdp_verify import signature
 from tpdp_verify.cases.training import DP, TRAIN_DTYPES, DDPOptions, TrainCase
-from tpdp_verify.errors import UsageError
+from tpdp_verify.errors import PoolError, RankFailed, UsageError
 
 
 def name_of(fn) -> str:
@@ -347,8 +348,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     world size must be dp * tp), else on a pool of its own.
 
     Every callable must be importable by name (module level): the ranks are other processes.
-    Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks hang or die.
+    Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks would not
+    start. Ranks that raise, hang or die in the user's code fail the report's "trains
+    without an exception" check, with each rank's traceback or stack.
     """
+    from tpdp_verify.judging.verdict import Verdict
     from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
     from tpdp_verify.ranks.pool import RankPool
     from tpdp_verify.report import Report
@@ -364,15 +368,47 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                          f"give a mesh whose product is {pool.world_size}, or a pool of {world}")
     owned = pool is None
     pool = RankPool(world, backend, timeout=timeout) if owned else pool
+    keys = 0
     try:
         keys = check_on_ranks(pool, case)
         one = verdict_one_device(pool, impl, case)
         plain = verdict_plain_ddp(pool, impl, case)
+    except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
+        one, plain = _did_not_finish(exc), Verdict(against="plain DDP")
     finally:
         if owned:
             pool.close()
     return Report.of(case, keys, one, plain, replay or _replay(case, impl),
                      f"parallelize_fn made {keys} parameters DTensors" if parallelize_fn is not None else None)
+
+
+def _did_not_finish(exc: BaseException):
+    """A run whose ranks raised (outside the training loop, which reports its own), hung or
+    died: a verdict that it did not train, with every rank's traceback or stack; the
+    harness failing (ranks that would not start) is raised as it is."""
+    from tpdp_verify.judging.verdict import Verdict
+    from tpdp_verify.ranks.observation import Check
+    from tpdp_verify.runner.property import finding
+
+    found = finding(exc)
+    if found is None and not isinstance(exc, RankFailed):
+        raise exc
+    part = found.signature[0] if found is not None else signature.raised_from_text(next(iter(exc.tracebacks.values())))
+    return Verdict([Check("trains without an exception", False, f"{_headline(exc)}\n{exc}", part)])
+
+
+def _headline(exc: BaseException) -> str:
+    """What happened, in the words of the first rank that raised, or the pool's for a hang or death."""
+    from tpdp_verify.ranks.pool import CAUGHT_PART
+
+    if not isinstance(exc, RankFailed):
+        return str(exc).splitlines()[0]
+    rank = min(exc.tracebacks)
+    lines = [ln for ln in exc.tracebacks[rank].splitlines() if ln.strip()
+             and not ln.startswith(CAUGHT_PART)] or [""]
+    said = lines[0].removeprefix("(caught and returned) ") if "(caught and returned)" in lines[0] else lines[-1]
+    waiting = f" (rank {', '.join(map(str, exc.stuck))} waited for it in a collective)" if exc.stuck else ""
+    return f"rank {rank}: {said}{waiting}"
 
 
 def _replay(case: TrainCase, impl: str) -> str:

@@ -79,7 +79,9 @@ class Line:
         """Its result and detail columns; ``reached``: whether training got far enough to
         compare anything (a run that raised compares nothing after it)."""
         if not self.compared:
-            return ("FAIL", "compared nothing") if reached and CHECKS[self.check] else ("-", "")
+            if not reached:
+                return "-", "not reached: training raised"
+            return ("FAIL", "compared nothing") if CHECKS[self.check] else ("-", self.detail)
         if not self.ok:
             return "FAIL", self.detail
         return "ok", f"{self.worst:.3g} of the bound" if self.worst else self.detail
@@ -122,6 +124,11 @@ class Report:
         for r in plain.rows:
             name = "gradients vs plain DDP" if r.what == "gradient" else "everything else vs plain DDP"
             lines[name].add(r.err.ok, _row_detail(r), r.err.ratio)
+        if not lines["buffers"].compared:
+            del lines["buffers"]  # the model has none: no row for what is not there
+        if not lines["optimizer state"].compared:
+            lines["optimizer state"].detail = "not compared: " + (
+                one.unobserved.removeprefix("optimizer state: ") or "the optimizer keeps no state")
         return cls(case, list(lines.values()), one, plain, replay)
 
     @property
@@ -138,11 +145,15 @@ class Report:
         return (f"{c.model} with TP on mesh (dp={c.dp}, tp={c.tp}), dp={dp}, {c.steps} step"
                 f"{'s' if c.steps > 1 else ''}, {c.dtype}: {'PASS' if self.ok else 'DIVERGES'}")
 
+    @property
+    def _reached(self) -> bool:
+        """Whether training got far enough to compare anything (a run that raised compares nothing after it)."""
+        return next(x for x in self.lines if x.check == "trains without an exception").ok
+
     def __str__(self) -> str:
-        reached = next(x for x in self.lines if x.check == "trains without an exception").ok
         out = [self._title(), "", f"  {'check':<30}{'result':<8}{'compared':>9}  worst ratio / detail"]
         for line in self.lines:
-            result, detail = line.cell(reached)
+            result, detail = line.cell(self._reached)
             out.append(f"  {line.check:<30}{result:<8}{line.compared:>9}  {detail}".rstrip())
         # Against one device first; plain DDP's own report only adds news when that passed.
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
@@ -162,8 +173,10 @@ class Report:
             "ok": self.ok,
             "case": {"model": c.model, "mesh": list(c.mesh_shape), "dp": c.entry, "steps": c.steps,
                      "accumulate": c.accumulate, "batch": c.global_batch, "dtype": c.dtype, "seed": c.seed},
-            "checks": [{"check": x.check, "ok": x.ok, "compared": x.compared, "failed": x.failed,
-                        "worst_ratio": _number(x.worst), "detail": x.detail} for x in self.lines],
+            # ok: null where nothing was compared: not reached, or nothing there (the detail says why)
+            "checks": [{"check": x.check, "ok": {"ok": True, "FAIL": False}.get(x.cell(self._reached)[0]),
+                        "compared": x.compared, "failed": x.failed, "worst_ratio": _number(x.worst),
+                        "detail": x.cell(self._reached)[1]} for x in self.lines],
             "first_module": self.first_module,
             "plain_ddp": self.one_device.plain_ddp,
             "failures": failures,

@@ -140,6 +140,9 @@ def recording(run: Run, into: list):
             h.remove()
 
 
+LOSS = "<loss>"  # on the stack of running modules while the per-sample loss is computed
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective: every rank calls it alike), a tensor as it is."""
     from torch.distributed.tensor import DTensor
@@ -205,7 +208,9 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 with sync, maybe_loss_parallel(run.loss_parallel):
                     with record, tracking(run.inner, running):
                         out = run.model(local["input"])
-                    loss = (local["weight"] * fx.per_sample_loss(out, local)).mean()
+                    running.append(LOSS)
+                    loss = (local["weight"] * whole(fx.per_sample_loss(out, local))).mean()
+                    running.pop()
                     loss.backward()
                 trace.outputs.append(whole(out.detach()).clone())
                 trace.losses.append(float(whole(loss.detach())))
@@ -219,8 +224,10 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
         trace.registry = [n for n, _ in run.inner.named_parameters()]
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
-        trace.raised_in = running[-1] or "<the whole model>" if running else ""
-        where = f"in the forward of {trace.raised_in}: " if running else ""
+        inside = running[-1] if running else None
+        trace.raised_in = "" if inside in (None, LOSS) else inside or "<the whole model>"
+        where = ("in the per-sample loss (loss_fn): " if inside == LOSS else
+                 f"in the forward of {trace.raised_in}: " if running else "")
         trace.error = where + "".join(traceback.format_exception_only(exc)).strip()
         trace.raised = signature.raised(exc)
         caught(trace.error, trace.raised)
