@@ -56,6 +56,14 @@ def test_a_run_is_sorted_into_known_new_changed_fixed_and_not_run():
     assert "1 new, 1 changed, 1 fixed, 2 known: blocks" in text
 
 
+def test_a_listed_case_whose_parts_all_showed_in_other_cases_is_known_without_a_rerun():
+    listed = baseline.entries([diverges("a", "K", "L"), diverges("a", "M")])
+    run = [Outcome("a", 2, "known", 1.0, findings=[
+        Finding("", "", "", {"case": CASE}, ("K",), "known"), Finding("", "", "", {"case": CASE}, ("L", "M"), "known")])]
+    j = baseline.judge(run, listed, rerun=lambda entry: pytest.fail(f"reran {entry.key}"))
+    assert {k.key for k in j.known} == {("a", 2, ("K", "L")), ("a", 2, ("M",))} and not j.blocks
+
+
 def test_a_known_fault_with_a_new_one_in_the_same_case_is_new():
     """The registry fault is known; a case that also departs in its gradients is not."""
     listed = baseline.entries([diverges("a", REGISTRY)])

@@ -3,6 +3,7 @@ it is given explained in one line before any training."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import user_models as um
 from tpdp_verify import UsageError, verify_plan
 from tpdp_verify.fixtures.parallelize import parallelize_llama
 from tpdp_verify.ranks.pool import RankPool
+from tpdp_verify.runner import baseline
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,27 @@ def test_parallelize_function_mistakes_are_one_line(pool, kwargs, expected):
         verify(**{"plan": None, **kwargs}, pool=pool)
 
 
+@pytest.mark.parametrize("dp", ["ddp", "ddp_mesh"])
+def test_a_correct_plan_passes_on_torch_with_the_shipped_baseline_its_known_faults_labelled(pool, dp):
+    bare = verify(pool=pool, impl="torch", dp=dp)
+    assert bare.status == "DIVERGES"  # torch 2.13's DDP transform loses the TP parameters' registry
+    report = verify(pool=pool, impl="torch", dp=dp, baseline="torch-2.13.0")
+    assert report.status == "KNOWN" and report.ok, str(report)
+    text, data = str(report), json.loads(report.to_json())
+    assert "PASS but for known torch faults (torch-2.13.0)" in text.splitlines()[0]
+    assert "parameters stay registered in order (vs one device): docs/known-divergences.md#" in text
+    assert data["status"] == "KNOWN" and data["new"] == [] and data["known"]
+    doc = (Path(__file__).parent.parent / baseline.DOC).read_text()
+    anchors = {f"{baseline.DOC}#{baseline.slug(line[4:])}" for line in doc.splitlines() if line.startswith("### `")}
+    assert {k["entry"] for k in data["known"]} <= anchors  # each link names an entry that is there
+
+
+def test_a_wrong_plan_diverges_with_the_baseline_too(pool):
+    report = verify(um.SWAPPED, pool=pool, impl="torch", steps=1, baseline="torch-2.13.0")
+    assert report.status == "DIVERGES" and report.first_module == "up", str(report)
+    assert "beyond them, departures the baseline does not know" in str(report)
+
+
 def test_a_broken_transform_is_reported_with_its_table(pool):
     report = verify(pool=pool, impl="mutants.ScalesGradientUp", steps=1)
     assert not report.ok
@@ -111,6 +134,25 @@ def one_line(excinfo) -> str:
 def test_mistakes_seen_on_the_ranks(pool, plan, model_fn, expected):
     with pytest.raises(UsageError) as excinfo:
         verify(plan, model_fn, pool=pool)
+    assert expected in one_line(excinfo)
+
+
+class NoRanks:
+    """A pool that must not be used: the mistake is to be found before any rank runs."""
+
+    world_size = 2
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the ranks were asked to run")
+
+
+@pytest.mark.parametrize("plan, expected", [
+    (um.TYPO, "plan key 'upp' matches no module of the model; did you mean 'up'?"),
+    (um.WRONG_TYPE, "gives ColwiseParallel to 'act', a ReLU"),
+])
+def test_a_plan_dict_is_checked_in_this_process_before_any_rank_runs(plan, expected):
+    with pytest.raises(UsageError) as excinfo:
+        verify(plan, pool=NoRanks())
     assert expected in one_line(excinfo)
 
 

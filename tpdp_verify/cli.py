@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     plan.add_argument("--loss-parallel", action="store_true", help="forward and loss under loss_parallel()")
     plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--baseline", metavar="FILE", help="known torch faults (a file, or a shipped name such "
+                      "as torch-2.13.0): departures it records for this --dp are labelled known, and pass")
     plan.add_argument("--impl", default="torch",
                       help="implementation under test: torch, reference or a dotted path")
     plan.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
@@ -228,7 +230,8 @@ def _plan(args: argparse.Namespace) -> int:
                          loss_fn=named["loss"], optimizer_fn=named["optimizer"], steps=args.steps, dp=args.dp,
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
-                         backend=args.backend, timeout=args.timeout, replay="tpdp-verify " + " ".join(sys.argv[1:]))
+                         backend=args.backend, timeout=args.timeout, baseline=args.baseline,
+                         replay="tpdp-verify " + " ".join(sys.argv[1:]))
     print(report)
     code = EXIT_OK if report.ok else EXIT_DIVERGENCE
     outputs.write(files, outputs.plan_record(report, code, started, time.monotonic() - start))

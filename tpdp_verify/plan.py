@@ -105,6 +105,10 @@ def check_inputs(case: TrainCase) -> None:
     model = _call("model_fn()", user.model_fn)
     if not isinstance(model, nn.Module):
         raise UsageError(f"model_fn returned a {type(model).__name__}, not an nn.Module")
+    if user.plan is not None and not callable(user.plan):  # a typo costs seconds, not a pool's start
+        problems = plan_problems(model, dict(user.plan), case.tp)
+        if problems:
+            raise UsageError(problems[0])
     batches = [as_batch(_call(f"input_fn({n}, generator)", user.input_fn, n, torch.Generator().manual_seed(case.seed)))
                for _ in range(2)]
     for key, value in batches[0].items():
@@ -328,7 +332,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
-                replay: str | None = None):
+                replay: str | None = None, baseline: str | None = None):
     """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh and a DP entry point,
     and compare it with one device and with plain DP; return a ``Report``.
 
@@ -345,7 +349,10 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
     ddp (``_pre_dp_module_transform`` then DDP on the dp group), ddp_mesh (DDP with the dp
     sub-mesh), replicate, fsdp2 (``fully_shard``) or fsdp1. Runs on ``pool`` if given (its
-    world size must be dp * tp), else on a pool of its own.
+    world size must be dp * tp), else on a pool of its own. ``baseline`` (a file or a shipped
+    name such as "torch-2.13.0"): departures that are faults it records for this DP entry
+    point are labelled known, with their entry in docs/known-divergences.md, and the
+    report passes (status KNOWN) when nothing else departs.
 
     Every callable must be importable by name (module level): the ranks are other processes.
     Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks would not
@@ -361,6 +368,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
                      parallelize_fn=parallelize_fn)
+    known = _known_faults(baseline, case.entry) if baseline else {}
     check_inputs(case)
     world = case.dp * case.tp
     if pool is not None and pool.world_size != world:
@@ -379,7 +387,20 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         if owned:
             pool.close()
     return Report.of(case, keys, one, plain, replay or _replay(case, impl),
-                     f"parallelize_fn made {keys} parameters DTensors" if parallelize_fn is not None else None)
+                     f"parallelize_fn made {keys} parameters DTensors" if parallelize_fn is not None else None,
+                     baseline or "", known)
+
+
+# The suite's training properties whose known faults a user's run can show, per oracle.
+_TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_one_device"),
+             "plain DDP": ("trains_like_plain_ddp",)}
+
+
+def _known_faults(name: str, dp_entry: str) -> dict:
+    from tpdp_verify.runner import baseline
+
+    _, entries = baseline.load(name)  # a bad name or file: one line, before any rank starts
+    return {against: baseline.training_parts(entries, props, dp_entry) for against, props in _TRAINING.items()}
 
 
 def _did_not_finish(exc: BaseException):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpdp_verify.cases.training import DP, TrainCase
 from tpdp_verify.judging.verdict import Row, Verdict
+from tpdp_verify.runner.baseline import anchor
+from tpdp_verify.signature import describe
 
 # The checks of a report, in the order a reader asks about them; those marked True must
 # compare something, whatever the model.
@@ -103,10 +105,14 @@ class Report:
     one_device: Verdict
     plain_ddp: Verdict
     replay: str
+    # with a baseline: its name, and per oracle ("one device", "plain DDP") each signature
+    # part it records for this DP entry point -> the entry that explains it
+    baseline: str = ""
+    known: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, case: TrainCase, plan_keys: int, one: Verdict, plain: Verdict, replay: str,
-           plan_detail: str | None = None) -> Report:
+           plan_detail: str | None = None, baseline: str = "", known: dict | None = None) -> Report:
         """``plan_keys``: the plan's keys checked (or the parameters a parallelize function
         sharded, as ``plan_detail`` says)."""
         lines = {name: Line(name) for name in CHECKS}
@@ -129,11 +135,25 @@ class Report:
         if not lines["optimizer state"].compared:
             lines["optimizer state"].detail = "not compared: " + (
                 one.unobserved.removeprefix("optimizer state: ") or "the optimizer keeps no state")
-        return cls(case, list(lines.values()), one, plain, replay)
+        return cls(case, list(lines.values()), one, plain, replay, baseline, known or {})
+
+    def _parts(self, known: bool) -> list[tuple[str, str]]:
+        """(oracle, part) of every failure the baseline knows (or does not)."""
+        return [(v.against, p) for v in (self.one_device, self.plain_ddp) for p in v.signature
+                if (p in self.known.get(v.against, {})) == known]
+
+    @property
+    def status(self) -> str:
+        """PASS; KNOWN: every departure is a fault the baseline records for this DP entry
+        point (and every check compared something); else DIVERGES."""
+        if all(line.ok for line in self.lines):
+            return "PASS"
+        vacuous = any(line.cell(self._reached) == ("FAIL", "compared nothing") for line in self.lines)
+        return "KNOWN" if self.baseline and not vacuous and not self._parts(known=False) else "DIVERGES"
 
     @property
     def ok(self) -> bool:
-        return all(line.ok for line in self.lines)
+        return self.status != "DIVERGES"
 
     @property
     def first_module(self) -> str | None:
@@ -142,8 +162,21 @@ class Report:
     def _title(self) -> str:
         c = self.case
         dp = next((k for k, v in DP.items() if v == c.entry), c.entry)
+        status = {"KNOWN": f"PASS but for known torch faults ({self.baseline})"}.get(self.status, self.status)
         return (f"{c.model} with TP on mesh (dp={c.dp}, tp={c.tp}), dp={dp}, {c.steps} step"
-                f"{'s' if c.steps > 1 else ''}, {c.dtype}: {'PASS' if self.ok else 'DIVERGES'}")
+                f"{'s' if c.steps > 1 else ''}, {c.dtype}: {status}")
+
+    def _known_lines(self) -> list[str]:
+        known, new = self._parts(known=True), self._parts(known=False)
+        if not known:
+            return []
+        out = ["", f"known torch faults ({self.baseline}), not the plan's: each entry says what the fault is and "
+                   "how to avoid or work around it"]
+        out += [f"  {describe(p)} (vs {against}): {anchor(self.known[against][p])}" for against, p in known]
+        if new:
+            out += ["beyond them, departures the baseline does not know: "
+                    + ", ".join(f"{describe(p)} (vs {against})" for against, p in new)]
+        return out
 
     @property
     def _reached(self) -> bool:
@@ -156,6 +189,7 @@ class Report:
             result, detail = line.cell(self._reached)
             out.append(f"  {line.check:<30}{result:<8}{line.compared:>9}  {detail}".rstrip())
         # Against one device first; plain DDP's own report only adds news when that passed.
+        out += self._known_lines()
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
         if not verdict.ok:
             out += ["", verdict.report()]
@@ -171,6 +205,10 @@ class Report:
                     for r in v.rows if not r.err.ok]
         return {
             "ok": self.ok,
+            "status": self.status,
+            "baseline": self.baseline or None,
+            "known": [{"against": a, "part": p, "entry": anchor(self.known[a][p])} for a, p in self._parts(True)],
+            "new": [{"against": a, "part": p} for a, p in self._parts(False)] if self.baseline else [],
             "case": {"model": c.model, "mesh": list(c.mesh_shape), "dp": c.entry, "steps": c.steps,
                      "accumulate": c.accumulate, "batch": c.global_batch, "dtype": c.dtype, "seed": c.seed},
             # ok: null where nothing was compared: not reached, or nothing there (the detail says why)

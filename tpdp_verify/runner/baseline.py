@@ -8,8 +8,10 @@ a crash's signal) and the shrunk case that shows it.
 With a baseline, each property's search counts an example whose every failure part the
 baseline records for that property as **known**, and goes on drawing; a failure with a
 part the baseline does not record is **NEW**, shrunk and replayed. Each recorded case the
-search did not meet again is run once more:
+search did not meet again is judged so:
 
+- if every part of its signature shows in the run's failures of that property and world
+  size (in other combinations), it is **known** without a rerun;
 - if it fails the same way (or only in other known ways), it is **known**;
 - if it fails with a part the baseline does not record, it **CHANGED**;
 - if it passes, it is **FIXED**.
@@ -78,6 +80,37 @@ def known_parts(entries: list[Known]) -> dict[str, set[str]]:
     parts: dict[str, set[str]] = {}
     for k in entries:
         parts.setdefault(k.property, set()).update(k.signature)
+    return parts
+
+
+DOC = "docs/known-divergences.md"  # where the shipped baselines' entries are explained, one heading each
+
+
+def heading(k: Known) -> str:
+    """The entry's heading in DOC (``markdown`` writes it)."""
+    return f"`{k.property}` (world size {k.world_size}): {k.kind}"
+
+
+def slug(text: str) -> str:
+    """A heading's anchor, as GitHub makes it."""
+    return "".join(c for c in text.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def anchor(k: Known) -> str:
+    """A link to the entry's heading in DOC."""
+    return f"{DOC}#{slug(heading(k))}"
+
+
+def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: str) -> dict[str, Known]:
+    """Each signature part the entries of ``properties`` record for cases through one DP entry
+    point, with the first entry that records it: what a user's training run through that
+    entry point may show of the build's known faults, and where each is explained. Scoped
+    to the entry point: a fault of another would otherwise hide a departure of the user's."""
+    parts: dict[str, Known] = {}
+    for k in sorted(entries, key=lambda k: (len(k.signature), k.world_size)):  # the plainest entry explains
+        if k.property in properties and getattr(k.drawn().get("case"), "entry", None) == dp_entry:
+            for p in k.signature:
+                parts.setdefault(p, k)
     return parts
 
 
@@ -184,6 +217,12 @@ def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Si
         if any((p, w) == (listed.property, listed.world_size) and s >= set(listed.signature) for p, w, s in shown):
             out.known.append(listed)
             continue
+        # every part shown by this run's failures of the property, if in other combinations:
+        # each fault is still there, and a rerun of its case would only cost a pool call
+        seen = set().union(*(s for p, w, s in shown if (p, w) == (listed.property, listed.world_size)))
+        if seen >= set(listed.signature):
+            out.known.append(listed)
+            continue
         outcome = ran.get((listed.property, listed.world_size))
         if outcome is None:
             out.not_run.append(listed)
@@ -238,7 +277,7 @@ def markdown(name: str, properties, impl: str = "torch") -> str:
     out = [f"Recorded on torch {header['torch']} with the `{header['profile']}` profile: "
            f"{len(known)} entries."]
     for k in known:
-        out += ["", f"### `{k.property}` (world size {k.world_size}): {k.kind}", "",
+        out += ["", f"### {heading(k)}", "",
                 "Signature: " + ", ".join(f"`{p}`" for p in k.signature), "", k.summary, "",
                 "```python", by_name[k.property].replay_code(k.world_size, impl, k.drawn()).rstrip(), "```"]
     return "\n".join(out) + "\n"
