@@ -61,6 +61,14 @@ def passes(torch_gate) -> tuple:
     return tuple(prop for prop in ALL if status[prop.name] == "pass")
 
 
+def test_a_smoke_gate_keeps_torchs_warnings_and_the_ranks_output_off_the_terminal(torch_gate):
+    out, _ = torch_gate
+    noise = [line for line in out.stderr.splitlines() if "Warning" in line or "warn(" in line or line.startswith("[W")]
+    assert out.stderr.strip() == "" and not noise, out.stderr[-3000:]
+    logs = out.stdout.rsplit("the ranks' output (torch's warnings, C++ logs; -v shows it): ", 1)[1].strip()
+    assert sorted(os.listdir(logs)) == ["world2-rank0.log", "world2-rank1.log"]
+
+
 def test_torch_departs_on_every_simplest_case(passes):
     assert {p.name for p in passes} <= {p.name for p in DRAWN_BY_LUCK}, passes
 
@@ -303,6 +311,34 @@ def test_plan_takes_ones_own_parallelize_function():
     both = plan("user_models:make_llama", "--plan", "user_models:PLAN",
                 "--parallelize", "user_models:parallelize_nothing", "--input", "user_models:tokens")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_plan_writes_junit_and_markdown_that_agree_with_its_json(tmp_path):
+    files = {fmt: str(tmp_path / f"r.{fmt}") for fmt in ("json", "junit", "markdown")}
+    out = plan("user_models:make_mlp", "--plan", "user_models:SWAPPED", "--input", "user_models:vectors",
+               "--steps", "1", "--impl", "reference", *(a for fmt, path in files.items() for a in (f"--{fmt}", path)))
+    assert out.returncode == 1 and out.stderr == "", out.stderr[-2000:]
+    record = json.loads(Path(files["json"]).read_text())
+    assert (record["command"], record["exit_code"], record["status"]) == ("plan", 1, "DIVERGES")
+    assert record["torch"] and record["schema"] >= 2
+    failed = {c["check"] for c in record["checks"] if c["ok"] is False}
+    suite = ET.parse(files["junit"]).getroot().find("testsuite")
+    assert {c.get("name") for c in suite.findall("testcase") if c.find("failure") is not None} == failed != set()
+    assert Path(files["markdown"]).read_text().startswith("# tpdp-verify plan: user_models:make_mlp: DIVERGES")
+
+
+def test_plan_reports_a_rank_that_raises_in_the_model_with_exit_1_and_its_json(tmp_path):
+    out = plan("user_models:make_raising", "--plan", "user_models:PLAN", "--input", "user_models:vectors",
+               "--steps", "1", "--impl", "reference", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout.split("\n--- rank")[0] and out.stderr == "", out.stderr[-2000:]
+    assert "every rank trains without an exception (rank 1): in the forward of boom: RuntimeError: boom on rank 1" in out.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "DIVERGES"
+
+
+def test_version_names_tpdp_verify_and_torch():
+    out = subprocess.run([sys.executable, "-m", "tpdp_verify", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and re.fullmatch(r"tpdp-verify \S+ \(torch 2\.\S+, python 3\.\S+\)\n", out.stdout)
 
 
 def test_plan_reports_a_swapped_plan_with_exit_1():

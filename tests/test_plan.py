@@ -2,7 +2,10 @@
 it is given explained in one line before any training."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,7 +60,19 @@ def test_a_swapped_plan_is_reported_at_its_module(pool):
     assert not report.ok
     assert report.first_module == "up"
     assert "in the forward of up" in str(report)
-    assert "verify_plan(user_models:make_mlp" in report.replay
+    assert "from user_models import make_mlp, vectors, SWAPPED" in report.replay
+
+
+@pytest.mark.timeout(300)
+def test_the_replay_of_a_report_runs_as_it_is_from_anywhere(pool, tmp_path):
+    report = verify(um.SWAPPED, pool=pool, steps=1)
+    assert "replay (save as a file and run it with python):" in str(report)
+    (tmp_path / "replay.py").write_text(report.replay)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds user_models itself
+    replayed = subprocess.run([sys.executable, "replay.py"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=280, env=env)
+    assert replayed.returncode == 1, replayed.stderr[-3000:]
+    assert "DIVERGES" in replayed.stdout.splitlines()[0] and "in the forward of up" in replayed.stdout
 
 
 def test_a_parallelize_function_of_ones_own_is_verified_like_a_plan(pool):
@@ -67,7 +82,33 @@ def test_a_parallelize_function_of_ones_own_is_verified_like_a_plan(pool):
     assert report.ok, str(report)
     keys = report.lines[0]  # embedding, final norm, head; a block's 7 projections and 2 norms
     assert keys.compared == 12 and keys.detail == "parallelize_fn made 12 parameters DTensors"
-    assert "parallelize_fn=tpdp_verify.fixtures.parallelize:parallelize_llama" in report.replay
+    assert "from tpdp_verify.fixtures.parallelize import parallelize_llama" in report.replay
+    assert "parallelize_fn=parallelize_llama" in report.replay
+
+
+def test_loss_parallel_takes_the_per_sample_loss_users_write_a_dtensor(pool):
+    report = verify(um.lm_plan, um.make_llama, input_fn=um.tokens_and_targets, loss_fn=um.dtensor_token_loss,
+                    loss_parallel=True, pool=pool, steps=2)
+    assert report.ok, str(report)
+    assert next(x for x in report.lines if x.check == "gradients vs one device").compared > 0
+
+
+def test_an_exception_in_the_loss_is_located_there(pool):
+    report = verify(loss_fn=um.loss_raising_on_rank_1, pool=pool, steps=1)
+    assert report.status == "DIVERGES"
+    assert "in the per-sample loss (loss_fn): ValueError: the loss broke on rank 1" in str(report), str(report)
+    check = json.loads(report.to_json())["checks"][1]
+    assert (check["check"], check["ok"]) == ("trains without an exception", False)
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_in_the_users_forward_is_a_report_with_each_silent_ranks_stack(tmp_path):
+    with RankPool(2, timeout=8.0) as short:
+        report = verify(model_fn=um.make_hanging, pool=short, steps=1)
+    assert report.status == "DIVERGES"
+    text = str(report)
+    assert "did not answer within the 8 s timeout" in text and "in forward" in text, text
+    assert "pending: torch/distributed/" in text
 
 
 def test_a_wrong_parallelize_function_is_reported_at_its_module(pool):

@@ -1,7 +1,10 @@
 """A user's models, plans and data for tests/test_plan.py: module level, so ranks import them."""
 
+import time
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -113,3 +116,62 @@ def parallelize_nothing(model, mesh):
 
 def parallelize_raises(model, mesh):
     return model.no_such_submodule
+
+
+def lm_plan(tp_mesh):
+    """torchtitan's full plan: sequence parallel, and a vocab-sharded head for loss_parallel."""
+    from tpdp_verify.fixtures import plans
+
+    return plans.llama_lm()
+
+
+def tokens_and_targets(n, generator):
+    x = torch.randint(0, 16, (n, 4), generator=generator)
+    return {"input": x, "target": x.roll(-1, 1)}
+
+
+def dtensor_token_loss(out, batch):
+    """Per-sample cross entropy as a user writes it under loss_parallel: a DTensor, kept one."""
+    n, seq = batch["target"].shape
+    return F.cross_entropy(out.flatten(0, 1), batch["target"].flatten(), reduction="none").view(n, seq).mean(1)
+
+
+def loss_raising_on_rank_1(out, batch):
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise ValueError("the loss broke on rank 1")
+    return out.pow(2).mean(1)
+
+
+class Hangs(MLP):
+    """Rank 1 never returns from its forward; rank 0 waits for it in the plan's collective."""
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(3600)
+        return super().forward(x)
+
+
+def make_hanging():
+    return Hangs()
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("boom on rank 1")
+        return x
+
+
+class Raising(MLP):
+    """An MLP whose last module raises on rank 1 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.boom = Boom()
+
+    def forward(self, x):
+        return self.boom(super().forward(x))
+
+
+def make_raising():
+    return Raising()

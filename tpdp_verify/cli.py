@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="the module whose ALL lists the properties to run (default: tpdp-verify's own)")
     gate.add_argument("--seed", type=int, help="draw other cases than the profile's fixed ones "
                       "(default: the same cases on every run and machine)")
+    _verbose_option(gate)
     _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
                     junit="the run as JUnit XML, a test case a property",
                     markdown="the run as a Markdown table and the failures' reports")
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     plan.add_argument("--timeout", type=float, default=120.0,
                       help="seconds one check may take before its ranks count as hung")
+    _verbose_option(plan)
     _output_options(plan, json="the report as JSON (keys: docs/cli.md)",
                     junit="the report as JUnit XML, a test case a check",
                     markdown="the report as a Markdown table")
@@ -83,6 +86,28 @@ def _parser() -> argparse.ArgumentParser:
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
     return parser
+
+
+def _verbose_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", help="let the ranks' output (torch's warnings, "
+                        "C++ logs) and the warnings of this process through to the terminal; by default the "
+                        "ranks' goes to a log file a rank, named at the end")
+
+
+def _quiet(args: argparse.Namespace) -> str | None:
+    """Unless -v: the directory the ranks' output goes to, and torch's warnings in this process off."""
+    if args.verbose:
+        return None
+    import tempfile
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+    return tempfile.mkdtemp(prefix="tpdp-verify-ranks-")
+
+
+def _said_where(logs: str | None) -> None:
+    if logs and os.listdir(logs):
+        print(f"\nthe ranks' output (torch's warnings, C++ logs; -v shows it): {logs}")
 
 
 def _version() -> str:
@@ -131,6 +156,7 @@ def _gate(args: argparse.Namespace) -> int:
 
     profile = profiles.get(args.profile)
     suite = load_suite(args.suite)
+    logs = _quiet(args)
     started, start, outcomes = outputs.now(), time.monotonic(), []
     judged = None
 
@@ -143,10 +169,10 @@ def _gate(args: argparse.Namespace) -> int:
         for outcome in iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
                                  progress=lambda line: print(line, flush=True),
                                  known=baseline.known_parts(known[1]) if known else None,
-                                 learn=args.update_baseline, seed=args.seed):
+                                 learn=args.update_baseline, seed=args.seed, rank_output=logs):
             outcomes.append(outcome)
         if known:
-            with rerunner(suite.properties, args.impl, args.backend, args.timeout) as rerun:
+            with rerunner(suite.properties, args.impl, args.backend, args.timeout, logs) as rerun:
                 judged = baseline.judge(outcomes, known[1], rerun)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
         outputs.write(files, record(EXIT_INFRA, str(exc)))
@@ -168,6 +194,7 @@ def _gate(args: argparse.Namespace) -> int:
         print(f"\nwrote {count} known divergences to {args.baseline}{kept}")
         code = EXIT_OK
     outputs.write(files, record(code))  # with divergences too: they are what CI shows
+    _said_where(logs)
     return code
 
 
@@ -222,6 +249,7 @@ def _plan(args: argparse.Namespace) -> int:
     from tpdp_verify.plan import verify_plan
 
     model_fn = _named(args.model, "the model")
+    logs = _quiet(args)
     named = {k: _named(v, f"--{k}") if v else None for k, v in
              (("plan", args.plan), ("parallelize", args.parallelize), ("input", args.input), ("loss", args.loss),
               ("optimizer", args.optimizer))}
@@ -231,10 +259,11 @@ def _plan(args: argparse.Namespace) -> int:
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
                          backend=args.backend, timeout=args.timeout, baseline=args.baseline,
-                         replay="tpdp-verify " + " ".join(sys.argv[1:]))
+                         replay="tpdp-verify " + " ".join(sys.argv[1:]), rank_output=logs)
     print(report)
     code = EXIT_OK if report.ok else EXIT_DIVERGENCE
     outputs.write(files, outputs.plan_record(report, code, started, time.monotonic() - start))
+    _said_where(logs)
     return code
 
 

@@ -8,7 +8,9 @@ one device and with the same DP entry point without TP. The result is a ``Report
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
 import pickle
 import sys
 import warnings
@@ -332,7 +334,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
-                replay: str | None = None, baseline: str | None = None):
+                replay: str | None = None, baseline: str | None = None, rank_output: str | None = None):
     """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh and a DP entry point,
     and compare it with one device and with plain DP; return a ``Report``.
 
@@ -352,7 +354,8 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     world size must be dp * tp), else on a pool of its own. ``baseline`` (a file or a shipped
     name such as "torch-2.13.0"): departures that are faults it records for this DP entry
     point are labelled known, with their entry in docs/known-divergences.md, and the
-    report passes (status KNOWN) when nothing else departs.
+    report passes (status KNOWN) when nothing else departs. ``rank_output``: a directory for
+    the ranks' stdout and stderr (torch's warnings, C++ logs), else the terminal.
 
     Every callable must be importable by name (module level): the ranks are other processes.
     Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks would not
@@ -375,7 +378,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         raise UsageError(f"mesh {tuple(mesh)} holds {world} ranks but the pool has {pool.world_size}; "
                          f"give a mesh whose product is {pool.world_size}, or a pool of {world}")
     owned = pool is None
-    pool = RankPool(world, backend, timeout=timeout) if owned else pool
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if owned and world > cpus:
+        warnings.warn(f"mesh {tuple(mesh)} needs {world} ranks and this machine has {cpus} CPUs: the ranks "
+                      "time-share them, so the run takes longer (the verdict is the same)", stacklevel=2)
+    pool = RankPool(world, backend, timeout=timeout, output=rank_output) if owned else pool
     keys = 0
     try:
         keys = check_on_ranks(pool, case)
@@ -386,7 +393,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     finally:
         if owned:
             pool.close()
-    return Report.of(case, keys, one, plain, replay or _replay(case, impl),
+    return Report.of(case, keys, one, plain, replay or _replay(case, impl, plan, baseline),
                      f"parallelize_fn made {keys} parameters DTensors" if parallelize_fn is not None else None,
                      baseline or "", known)
 
@@ -415,7 +422,8 @@ def _did_not_finish(exc: BaseException):
     if found is None and not isinstance(exc, RankFailed):
         raise exc
     part = found.signature[0] if found is not None else signature.raised_from_text(next(iter(exc.tracebacks.values())))
-    return Verdict([Check("trains without an exception", False, f"{_headline(exc)}\n{exc}", part)])
+    said = str(found) if found is not None else str(exc)  # a hang's: with every silent rank's stack
+    return Verdict([Check("trains without an exception", False, f"{_headline(exc)}\n{said}", part)])
 
 
 def _headline(exc: BaseException) -> str:
@@ -432,13 +440,57 @@ def _headline(exc: BaseException) -> str:
     return f"rank {rank}: {said}{waiting}"
 
 
-def _replay(case: TrainCase, impl: str) -> str:
+def _replay(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
+    """A script that makes the same call: it imports the user's functions (and plan) from
+    their modules' files, wherever it is run from."""
     u = case.user
-    tp = (f"parallelize_fn={name_of(u.parallelize_fn)}" if u.parallelize_fn is not None else
-          "<plan>" if not callable(u.plan) else name_of(u.plan))
-    args = [name_of(u.model_fn), tp, f"mesh={case.mesh_shape}", f"input_fn={name_of(u.input_fn)}"]
-    args += [f"{k}={name_of(v)}" for k, v in (("loss_fn", u.loss_fn), ("optimizer_fn", u.optimizer_fn)) if v]
+    named = {"model_fn": u.model_fn, "input_fn": u.input_fn, "loss_fn": u.loss_fn, "optimizer_fn": u.optimizer_fn,
+             "parallelize_fn": u.parallelize_fn, "plan": plan if callable(plan) else None}
+    imports = {fn.__module__: [] for fn in named.values() if fn is not None}
+    for fn in named.values():
+        if fn is not None:
+            imports[fn.__module__].append(fn.__qualname__.split(".")[0])
+    plan_name, written = None, []
+    if plan is not None and not callable(plan):
+        plan_name = _plan_name(plan, imports)
+        if plan_name is None:  # no module-level name: written out from its styles' reprs
+            plan_name, written = "PLAN", [
+                "from torch.distributed.tensor import Replicate, Shard",
+                "from torch.distributed.tensor.parallel import *  # noqa: F403", "",
+                "# the plan, from its styles' reprs (torch writes a layout as a tuple): check it",
+                f"PLAN = {{{', '.join(f'{k!r}: {v!r}' for k, v in plan.items())}}}"]
+    args = [named["model_fn"].__qualname__]
+    if plan is not None:
+        args.append(named["plan"].__qualname__ if callable(plan) else plan_name)
+    args += [f"{k}={v.__qualname__}" for k, v in named.items() if v is not None and k not in ("model_fn", "plan")]
     dp = next(k for k, v in DP.items() if v == case.entry)
-    args += [f"steps={case.steps}", f"dp={dp!r}", f"dtype=torch.{case.dtype}",
-             f"batch={case.global_batch}", f"seed={case.seed}", f"impl={impl!r}"]
-    return f"verify_plan({', '.join(args)})  # deterministic: the same call replays it"
+    args += [f"mesh={case.mesh_shape}", f"steps={case.steps}", f"dp={dp!r}", f"dtype=torch.{case.dtype}",
+             f"batch={case.global_batch}", f"accumulate={case.accumulate}", f"seed={case.seed}", f"impl={impl!r}"]
+    args += [f"loss_parallel={u.loss_parallel}"] if u.loss_parallel else []
+    args += [f"ddp_options={dataclasses.asdict(case.ddp)!r}"] if case.ddp != DDPOptions() else []
+    args += [f"baseline={baseline!r}"] if baseline else []
+    paths = sorted({str(Path(sys.modules[m].__file__).resolve().parents[m.count(".")]) for m in imports
+                    if getattr(sys.modules.get(m), "__file__", None)})  # where each module's top package is
+    lines = ["import sys", "", "import torch", "", "from tpdp_verify import verify_plan", ""]
+    lines += [f"sys.path[:0] = {paths!r}  # the directories of the modules below"] if paths else []
+    lines += [f"from {_module_name(m)} import {', '.join(dict.fromkeys(names))}" for m, names in imports.items()]
+    lines += written
+    lines += ["", 'if __name__ == "__main__":  # the ranks are processes that import this file',
+              f"    report = verify_plan({', '.join(args)})", "    print(report)",
+              "    raise SystemExit(0 if report.ok else 1)"]
+    return "\n".join(lines) + "\n"
+
+
+def _module_name(module: str) -> str:
+    """A module as a script imports it: a script run as __main__ by its file's name."""
+    return Path(sys.modules[module].__file__).stem if module in ("__main__", "__mp_main__") else module
+
+
+def _plan_name(plan: dict, imports: dict[str, list[str]]) -> str | None:
+    """The name a plan dict has in the module of the user's functions, added to the imports."""
+    for module in list(imports):
+        for name, value in vars(sys.modules[module]).items():
+            if value is plan:
+                imports[module].append(name)
+                return name
+    return None

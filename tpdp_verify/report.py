@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from tpdp_verify.cases.training import DP, TrainCase
-from tpdp_verify.judging.verdict import Row, Verdict
+from tpdp_verify.judging.verdict import Row, Verdict, on_ranks
 from tpdp_verify.runner.baseline import anchor
 from tpdp_verify.signature import describe
 
@@ -121,12 +121,12 @@ class Report:
             keys.add(True)
         keys.detail = plan_detail or f"{plan_keys} keys, each matching a module, each style fitting it"
         for c in one.checks:
-            lines[_section(c.name)].add(c.ok, f"{c.name}: {c.detail}")
+            lines[_section(c.name)].add(c.ok, f"{c.name}{on_ranks(c.ranks)}: {c.detail}")
         for r in one.rows:
             lines["registry preserved" if r.what == "parameter" and r.step == 0 else _BY_KIND[r.what]].add(
                 r.err.ok, _row_detail(r), r.err.ratio)
         for c in plain.checks:
-            lines["everything else vs plain DDP"].add(c.ok, f"{c.name}: {c.detail}")
+            lines["everything else vs plain DDP"].add(c.ok, f"{c.name}{on_ranks(c.ranks)}: {c.detail}")
         for r in plain.rows:
             name = "gradients vs plain DDP" if r.what == "gradient" else "everything else vs plain DDP"
             lines[name].add(r.err.ok, _row_detail(r), r.err.ratio)
@@ -193,7 +193,8 @@ class Report:
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
         if not verdict.ok:
             out += ["", verdict.report()]
-        out += ["", f"replay: {self.replay}"]
+        out += ["", f"replay: {self.replay}" if "\n" not in self.replay.strip() else
+                "replay (save as a file and run it with python):\n" + self.replay.rstrip()]
         return "\n".join(out)
 
     def to_dict(self) -> dict:

@@ -107,7 +107,7 @@ class Verdict:
             lines.append(f"the same DP entry point without TP: {self.plain_ddp}")
         if self.unobserved:
             lines.append(f"not compared: {self.unobserved}")
-        lines += [f"  {c.name}{_on(c.ranks)}: {c.detail}" for c in bad_checks[:limit]]
+        lines += [f"  {c.name}{on_ranks(c.ranks)}: {c.detail}" for c in bad_checks[:limit]]
         if bad_rows:
             lines.append(f"  {'value':<18}{'step':>5}  {'name':<34}{'max abs':>11}{'max rel':>11}"
                          f"{'bound':>11}{'ratio':>10}")
@@ -119,7 +119,7 @@ class Verdict:
         return "\n".join(lines)
 
 
-def _on(ranks: tuple[int, ...]) -> str:
+def on_ranks(ranks: tuple[int, ...]) -> str:
     return f" (rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})" if ranks else ""
 
 
@@ -167,7 +167,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     """
     errors = {t.error for t in traces}
     detail = "; ".join(sorted(e for e in errors if e))
-    checks = [Check("every rank trains without an exception", False, detail, part)
+    checks = [Check("every rank trains without an exception", False, detail, part,
+                    tuple(r for r, t in enumerate(traces) if t.error and t.raised == part))
               for part in sorted({t.raised for t in traces if t.error})] or \
              [Check("every rank trains without an exception", True)]
     if errors != {""}:

@@ -169,9 +169,14 @@ def _exit_when_orphaned(lifeline) -> None:
     os._exit(70)  # the parent is gone: nobody will ever ask this rank anything again
 
 
-def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file) -> None:
+def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file, log_file=None) -> None:
     """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
     global _DEVICE_TYPE
+    if log_file:  # stdout and stderr, C++'s included (torch's warnings, gloo's logs), to the file
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # On SIGUSR1 the rank writes every thread's Python stack, even when stuck in C++
     # (a collective): what the parent reports for a hang.
@@ -285,7 +290,8 @@ def _shutdown(procs, conns, lifeline, graceful: bool, stack_dir: str = "") -> No
 class _Ranks:
     """One generation of spawned ranks; a failure retires it and the pool makes another."""
 
-    def __init__(self, world_size: int, backend: str, start_timeout: float, pg_timeout: float):
+    def __init__(self, world_size: int, backend: str, start_timeout: float, pg_timeout: float,
+                 output: str | None = None):
         import torch.distributed as dist
 
         ctx = multiprocessing.get_context("spawn")
@@ -302,7 +308,8 @@ class _Ranks:
             proc = ctx.Process(
                 target=_rank_main,
                 args=(rank, world_size, backend, self.store.port, child_end, lifeline_r, pg_timeout,
-                      os.path.join(self.stack_dir, f"rank{rank}.txt")),
+                      os.path.join(self.stack_dir, f"rank{rank}.txt"),
+                      output and os.path.join(output, f"world{world_size}-rank{rank}.log")),
                 name=f"tpdp-rank-{rank}",
                 daemon=True,
             )
@@ -429,6 +436,9 @@ class RankPool:
             decisions and fake-tensor dispatches per tensor shape, without bound, so a
             rank that sees thousands of new shapes grows steadily (docs/performance.md).
             Spawned pools on Linux only: under torchrun the launcher owns the ranks.
+        output: a directory for the ranks' stdout and stderr, C++'s included (torch's
+            warnings, gloo's logs): a file a rank (``world<N>-rank<R>.log``), appended to by
+            each generation. ``None``: the terminal's, as the parent's.
         after_hang: once a run has hung, later runs count as hung after this many times
             the slowest run that answered (at least HANG_FLOOR seconds, at most
             ``timeout``), unless a run names its own timeout. A build that hangs once
@@ -446,6 +456,7 @@ class RankPool:
         error_grace: float = 10.0,
         max_rss_growth: float | None = None,
         after_hang: float | None = None,
+        output: str | None = None,
     ):
         self.attached = _under_launcher()
         if self.attached:
@@ -467,6 +478,7 @@ class RankPool:
         self.timeout, self.start_timeout, self.error_grace = timeout, start_timeout, error_grace
         self.max_rss_growth = max_rss_growth
         self.after_hang = after_hang
+        self.output = output
         self.hung = False  # a run has hung (see after_hang)
         self.slowest = 0.0  # seconds of the slowest run that answered
         self.spawns = 0  # how many generations of ranks this pool has started
@@ -480,7 +492,7 @@ class RankPool:
 
     def _start(self) -> None:
         self._ranks = _Ranks(
-            self.world_size, self.backend, self.start_timeout, self.timeout + self.start_timeout
+            self.world_size, self.backend, self.start_timeout, self.timeout + self.start_timeout, self.output
         )
         self.spawns += 1
         try:

@@ -184,6 +184,7 @@ def iter_gate(
     known: dict[str, set[str]] | None = None,
     learn: bool = False,
     seed: int | None = None,
+    rank_output: str | None = None,
 ) -> Iterator[Outcome]:
     """Each property's outcome as it comes, so that a run cut short keeps what it found.
 
@@ -191,7 +192,8 @@ def iter_gate(
     the time since the start, and a line every ``every`` seconds a property runs.
     ``known``: property -> the signature parts a baseline records (tpdp_verify.runner.baseline);
     ``learn``: search on past each failure found, to write a baseline; ``seed``: draw
-    other cases than the profile's fixed ones.
+    other cases than the profile's fixed ones; ``rank_output``: a directory for the ranks'
+    stdout and stderr (RankPool's output), else the terminal.
     """
     impl_mod.load(impl)  # a bad --impl fails here, in one line, before any rank starts
     if seed is not None:
@@ -205,7 +207,7 @@ def iter_gate(
             continue
         up = time.monotonic()
         with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH,
-                      after_hang=AFTER_HANG) as pool:
+                      after_hang=AFTER_HANG, output=rank_output) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
                 parts = None if known is None else known.get(prop.name, set())
@@ -297,7 +299,8 @@ def outcome_report(o: Outcome) -> str:
 
 
 @contextlib.contextmanager
-def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto", timeout: float = 120.0):
+def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto", timeout: float = 120.0,
+             rank_output: str | None = None):
     """``rerun(entry)``: a baseline entry's recorded case run once more, outside hypothesis;
     the signature of what fails now, () if it passes. Pools start on first use."""
     by_name = {p.name: p for p in properties}
@@ -306,7 +309,8 @@ def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto",
 
         def rerun(entry) -> tuple:
             if entry.world_size not in pools:
-                pools[entry.world_size] = stack.enter_context(RankPool(entry.world_size, backend, timeout=timeout))
+                pool = RankPool(entry.world_size, backend, timeout=timeout, output=rank_output)
+                pools[entry.world_size] = stack.enter_context(pool)
             try:
                 by_name[entry.property].fn(pools[entry.world_size], impl, **entry.drawn())
             except Exception as exc:
