@@ -10,6 +10,10 @@ __all__ = ["RankPool", "Report", "UsageError", "verify_plan"]
 
 
 def __getattr__(name: str):
+    if name in ("verify_plan", "Report", "RankPool"):
+        from tpdp_verify import torch_release
+
+        torch_release.check()
     if name == "verify_plan":
         from tpdp_verify.plan import verify_plan
 

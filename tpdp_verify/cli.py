@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from tpdp_verify import torch_release
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
 from tpdp_verify.runner import profiles
 
@@ -283,6 +284,8 @@ COMMANDS = {"gate": _gate, "plan": _plan, "env": _env}
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command != "env":  # env says what this machine has, torch too old or not
+            torch_release.check()
         return COMMANDS[args.command](args)
     except UsageError as exc:
         print(f"tpdp-verify: error: {exc}", file=sys.stderr)
