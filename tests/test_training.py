@@ -88,3 +88,22 @@ def test_every_training_mutant_is_caught(tpdp_pools, tpdp_profile, mutant):
                             dataclasses.replace(tpdp_profile, shrink=False))
     assert all(set(e.kinds) & mutant.training_caught_by for e in found), found
     assert time.monotonic() - start < 60
+
+
+def test_the_shipped_cover_cases_cover_every_case_space_of_the_suite_and_are_in_use():
+    """Found once (python -m tpdp_verify.properties.training) for this hypothesis: a gate
+    reads them rather than spending half a minute finding them again."""
+    import json
+
+    import hypothesis
+
+    from tpdp_verify.properties import training
+
+    doc = json.loads(training.FOUND.read_text())
+    assert doc["hypothesis"] == hypothesis.__version__, "regenerate: python -m tpdp_verify.properties.training"
+    spaces = training.cover_spaces()
+    assert {repr(s) for s in spaces} == set(doc["cases"])
+    assert all(set(models) == set(ZOO) for models in doc["cases"].values())
+    assert training.find_cover_cases(shipped=True) == doc["cases"]  # each one rebuilds from its repr
+    found = [c for models in doc["cases"].values() for c in models.values() if c]
+    assert len(found) >= len(spaces) * len(ZOO) * 0.8  # most spaces reach most models
