@@ -63,6 +63,12 @@ def test_a_swapped_plan_is_reported_at_its_module(pool):
     assert "from user_models import make_mlp, vectors, SWAPPED" in report.replay
 
 
+def test_a_head_that_returns_its_shard_is_named(pool):
+    report = verify(um.LOCAL_HEAD, pool=pool, steps=1)
+    assert not report.ok and report.first_module == "down", str(report)
+    assert "output shape: step 1: model: shape (2, 4), oracle (2, 8)" in str(report)
+
+
 @pytest.mark.timeout(300)
 def test_the_replay_of_a_report_runs_as_it_is_from_anywhere(pool, tmp_path):
     report = verify(um.SWAPPED, pool=pool, steps=1)

@@ -55,6 +55,7 @@ PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 BLOCKS_PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
 SWAPPED = {"up": RowwiseParallel(), "down": ColwiseParallel()}  # row- and column-parallel swapped
 TYPO = {"upp": ColwiseParallel(), "down": RowwiseParallel()}
+LOCAL_HEAD = {"down": ColwiseParallel()}  # the head hands on its tp shard: the model returns half its width
 WRONG_TYPE = {"act": ColwiseParallel(), "down": RowwiseParallel()}
 PARTIAL = {"layers.*.up": ColwiseParallel(), "layers.0.down": RowwiseParallel(), "layers.1.dwn": RowwiseParallel()}
 

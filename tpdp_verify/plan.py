@@ -487,10 +487,13 @@ def _module_name(module: str) -> str:
 
 
 def _plan_name(plan: dict, imports: dict[str, list[str]]) -> str | None:
-    """The name a plan dict has in the module of the user's functions, added to the imports."""
-    for module in list(imports):
-        for name, value in vars(sys.modules[module]).items():
+    """The name a plan dict has at a module's top level (the user's functions' modules
+    first, then the script's, then any), added to the imports."""
+    for module in [*imports, "__main__", *sys.modules]:
+        if getattr(sys.modules.get(module), "__file__", None) is None:
+            continue  # nowhere to import it from
+        for name, value in list(vars(sys.modules[module]).items()):
             if value is plan:
-                imports[module].append(name)
+                imports.setdefault(module, []).append(name)
                 return name
     return None

@@ -316,7 +316,22 @@ def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Tr
         got = torch.cat(pieces)
         if not error(got, baseline.activations[i][1], exact, case.torch_dtype).ok:
             return name or "<the whole model>"
-    return None
+    return _shape_break(observed[0], shadow)
+
+
+def _shape_break(observed: Trace, shadow: Trace) -> str | None:
+    """Where the model's output leaves the oracle's shape when every value, put back
+    together, is right: a module that hands on its tp shard (a head left Colwise with a
+    local output) makes the whole model return a shard. The first module from which on
+    every output a rank sees has another shape than the oracle's."""
+    shapes = [(name, got.shape != exact.shape) for (name, got), (_, exact)
+              in zip(observed.activations, shadow.activations)]
+    if not shapes or not shapes[-1][1]:
+        return None
+    first = len(shapes) - 1
+    while first > 0 and shapes[first - 1][1]:
+        first -= 1
+    return shapes[first][0] or "<the whole model>"
 
 
 def _whole(local: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
