@@ -94,7 +94,11 @@ class Verdict:
 
     def report(self, limit: int = 20) -> str:
         # An exception fails every check that ran into it: said once.
-        bad_checks = list({(c.detail, c.ranks) if c.part else c: c for c in self.checks if not c.ok}.values())
+        said: dict = {}
+        for c in self.checks:
+            if not c.ok:
+                said.setdefault(c.detail if c.part else c, c)  # the first says which ranks
+        bad_checks = list(said.values())
         bad_rows = sorted((r for r in self.rows if not r.err.ok), key=lambda r: (r.step, -r.err.ratio))
         if self.against:
             lines = [f"TP+DP departs from {self.against}: {len(bad_checks)} of {len(self.checks)} checks "
