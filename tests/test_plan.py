@@ -63,6 +63,12 @@ def test_a_swapped_plan_is_reported_at_its_module(pool):
     assert "from user_models import make_mlp, vectors, SWAPPED" in report.replay
 
 
+def test_a_tie_that_comes_apart_is_said_so(pool):
+    report = verify(um.tied_plan_without_retie, um.make_tied, input_fn=um.tokens, dp="fsdp2", pool=pool, steps=1)
+    assert not report.ok
+    assert "tied parameters came apart: embed.weight, head.weight" in str(report), str(report)
+
+
 def test_a_head_that_returns_its_shard_is_named(pool):
     report = verify(um.LOCAL_HEAD, pool=pool, steps=1)
     assert not report.ok and report.first_module == "down", str(report)

@@ -176,3 +176,17 @@ class Raising(MLP):
 
 def make_raising():
     return Raising()
+
+
+def make_tied():
+    """An embedding tied to its output head (fixtures.models.TiedLM): vocab 16, width 8."""
+    from tpdp_verify.fixtures.models import TiedLM
+
+    return TiedLM(vocab=16, dim=8, hidden=12)
+
+
+def tied_plan_without_retie(tp_mesh):
+    """The tied model's plan (fixtures.plans.tied), applied without re-tying the weights after it."""
+    from tpdp_verify.fixtures import plans
+
+    return plans.tied()

@@ -251,7 +251,7 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     frozen = sorted(set(shadow.params[0]) - set(shadow.trainable))
     v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,
                           f"trainable {observed.trainable}, oracle {shadow.trainable}"))
-    v.checks.append(_registry(observed.registry, shadow.registry))
+    v.checks.append(_registry(observed.registry, shadow.registry, shadow.tied))
     for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
         _values("output", i, {"model": o}, {"model": b}, {"model": s}, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
@@ -284,11 +284,14 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     return v
 
 
-def _registry(observed: list[str], oracle: list[str]) -> Check:
+def _registry(observed: list[str], oracle: list[str], tied: list[tuple[str, ...]] = ()) -> Check:
     """The model's named_parameters() after training: the optimizer a user builds then, and
-    state_dict(), see exactly these, in this order."""
+    state_dict(), see exactly these, in this order. ``tied``: the oracle's names that share
+    one parameter, which named_parameters() gives once; given twice, the tie came apart."""
     missing, extra = [n for n in oracle if n not in observed], [n for n in observed if n not in oracle]
-    detail = (f"after training named_parameters() lacks {missing}" if missing else
+    apart = [group for group in tied if sum(n in observed for n in group) > 1]
+    detail = (f"tied parameters came apart: {'; '.join(', '.join(g) for g in apart)}" if apart else
+              f"after training named_parameters() lacks {missing}" if missing else
               f"after training named_parameters() has unexpected {extra}" if extra else
               f"after training named_parameters() gives {observed}, the oracle {oracle}")
     return Check("parameters stay registered, in order", observed == oracle, detail)

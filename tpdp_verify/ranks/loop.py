@@ -39,6 +39,7 @@ class Trace(Observation):
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
     raised_in: str = ""  # the innermost module whose forward raised, if one did
     registry: list[str] = field(default_factory=list)  # named_parameters() of the model after training
+    tied: list[tuple[str, ...]] = field(default_factory=list)  # after training: names that share one parameter
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
 
 
@@ -223,6 +224,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
             trace.state.append({} if run.state_unobserved else optimizer_state(run, params, optimizer))
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
         trace.registry = [n for n, _ in run.inner.named_parameters()]
+        trace.tied = _tied(run.inner)
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
         inside = running[-1] if running else None
         trace.raised_in = "" if inside in (None, LOSS) else inside or "<the whole model>"
@@ -232,6 +234,14 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         trace.raised = signature.raised(exc)
         caught(trace.error, trace.raised)
     return trace
+
+
+def _tied(model: nn.Module) -> list[tuple[str, ...]]:
+    """The groups of names under which one parameter is registered (an embedding tied to its head)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
 
 
 @contextlib.contextmanager
