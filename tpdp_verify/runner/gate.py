@@ -125,9 +125,14 @@ def _outcome(prop: Property, pool: RankPool, profile: Profile, status: str, star
 
 def _findings(prop: Property, pool: RankPool, impl: str, found, stats: Stats, reported: list[str]
               ) -> list[Finding]:
-    """A Finding a distinct failure, with the case hypothesis shrank it to (or the cover case)."""
-    out = []
+    """A Finding a distinct failure, with the case hypothesis shrank it to (or the cover case).
+    One a signature: hypothesis tells failures apart by where they were raised too, and a
+    crash is raised from more than one place."""
+    out, seen = [], set()
     for e in found:
+        if type(e).signature in seen:
+            continue
+        seen.add(type(e).signature)
         drawn = stats.failures.get(type(e).__name__, stats.failing)
         out.append(_finding(prop, pool, impl, _failure_text(e, reported if len(found) == 1 else []),
                             type(e).signature, drawn))
