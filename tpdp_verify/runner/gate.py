@@ -24,12 +24,12 @@ from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
 from tpdp_verify.impls import select as impl_mod
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+from tpdp_verify.runner.profiles import Profile
+from tpdp_verify.runner.property import Property, Stats, finding
 
 # once ranks have hung, a call counts as hung after 5x the slowest call that answered (the
 # pool's after_hang): a build that hangs, hangs in many cases, and a full timeout each is hours
 AFTER_HANG = 5.0
-from tpdp_verify.runner.profiles import Profile
-from tpdp_verify.runner.property import Property, Stats, finding
 
 
 class Finding(NamedTuple):
@@ -216,8 +216,7 @@ def iter_gate(
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
                 parts = None if known is None else known.get(prop.name, set())
-                run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking) if profile.shrink \
-                    else profile
+                run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking)
                 outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn)
                 outcome.unshrunk = profile.shrink and not run_profile.shrink
                 shrinking += outcome.stats.shrink_seconds
