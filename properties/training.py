@@ -131,8 +131,8 @@ _simplest_cases: dict[tuple[str, str], TrainCase | None] = {}
 
 # The suite's own cover cases, found once and shipped: finding them takes a second a model
 # and a case space, half a minute of every ci gate, while the ranks wait. Valid for the
-# hypothesis that found them (a test finds them again and compares); regenerate with
-# ``python -m tpdp_verify.properties.training``.
+# hypothesis that found them (a test checks the version and that each rebuilds); regenerate
+# with ``python -m tpdp_verify.properties``.
 FOUND = Path(__file__).with_name("cover_cases.json")
 
 
@@ -162,21 +162,20 @@ def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool 
     return _simplest_cases[key]
 
 
-def cover_spaces() -> list[st.SearchStrategy[TrainCase]]:
-    """The case spaces of the suite's properties with cover cases, at the profiles' world sizes."""
-    from tpdp_verify.properties import ALL
+def cover_spaces(properties) -> list[st.SearchStrategy[TrainCase]]:
+    """The case spaces of the properties with cover cases, at the profiles' world sizes."""
     from tpdp_verify.runner.profiles import PROFILES
 
     sizes = sorted({w for p in PROFILES.values() for w in p.world_sizes})
-    spaces = {repr(s): s for p in ALL if p.cover for w in sizes if w >= p.min_world_size
+    spaces = {repr(s): s for p in properties if p.cover for w in sizes if w >= p.min_world_size
               for s in [p.strategies["case"](w)]}
     return list(spaces.values())
 
 
-def find_cover_cases(shipped: bool = False) -> dict[str, dict[str, str | None]]:
-    """Every cover case of the suite, as FOUND holds them (``shipped``: read them from it)."""
+def find_cover_cases(properties, shipped: bool = False) -> dict[str, dict[str, str | None]]:
+    """Every cover case of the properties, as FOUND holds them (``shipped``: read them from it)."""
     return {repr(s): {m: None if (c := _simplest(s, m, shipped)) is None else repr(c) for m in ZOO}
-            for s in cover_spaces()}
+            for s in cover_spaces(properties)}
 
 
 def every_model(strategies: dict) -> list[dict]:
@@ -210,8 +209,3 @@ def entry_points_train_like_one_device(pool, impl: str, case: TrainCase) -> None
 def trains_like_plain_ddp(pool, impl: str, case: TrainCase) -> None:
     """TP+DP matches plain DDP (no TP) over the same dp groups, within the bound plain DDP earns."""
     verdict_plain_ddp(pool, impl, case).raise_if_failed()
-
-
-if __name__ == "__main__":  # regenerate FOUND
-    FOUND.write_text(json.dumps({"hypothesis": hypothesis.__version__, "cases": find_cover_cases()}, indent=1) + "\n")
-    print(f"wrote {FOUND}")

@@ -91,7 +91,7 @@ def test_every_training_mutant_is_caught(tpdp_pools, tpdp_profile, mutant):
 
 
 def test_the_shipped_cover_cases_cover_every_case_space_of_the_suite_and_are_in_use():
-    """Found once (python -m tpdp_verify.properties.training) for this hypothesis: a gate
+    """Found once (python -m tpdp_verify.properties) for this hypothesis: a gate
     reads them rather than spending half a minute finding them again."""
     import json
 
@@ -100,10 +100,12 @@ def test_the_shipped_cover_cases_cover_every_case_space_of_the_suite_and_are_in_
     from tpdp_verify.properties import training
 
     doc = json.loads(training.FOUND.read_text())
-    assert doc["hypothesis"] == hypothesis.__version__, "regenerate: python -m tpdp_verify.properties.training"
-    spaces = training.cover_spaces()
+    from tpdp_verify.properties import ALL
+
+    assert doc["hypothesis"] == hypothesis.__version__, "regenerate: python -m tpdp_verify.properties"
+    spaces = training.cover_spaces(ALL)
     assert {repr(s) for s in spaces} == set(doc["cases"])
     assert all(set(models) == set(ZOO) for models in doc["cases"].values())
-    assert training.find_cover_cases(shipped=True) == doc["cases"]  # each one rebuilds from its repr
+    assert training.find_cover_cases(ALL, shipped=True) == doc["cases"]  # each one rebuilds from its repr
     found = [c for models in doc["cases"].values() for c in models.values() if c]
     assert len(found) >= len(spaces) * len(ZOO) * 0.8  # most spaces reach most models
