@@ -25,3 +25,16 @@ def test_once_the_shrinking_budget_is_spent_later_failures_come_as_first_found()
     assert "the gate spent its 0.01 s of shrinking (ci); 1 later searches reported their failures as first " \
            "found: second (world 2)" in text
     assert "(the case as first found: the gate's shrinking budget was spent)" in text
+
+
+def test_a_findings_text_keeps_the_failing_case_and_leaves_out_hypothesis_asides():
+    from tpdp_verify.judging.divergence import divergence
+    from tpdp_verify.runner.gate import _failure_text
+
+    found = divergence(("check:toy-stays-small",))("n = 12 is above 10")
+    found.add_note("Failing test case: first(n=12)")
+    found.add_note("Explanation:\n    These lines were always and only run by failing test cases:\n        a.py:1")
+    found.add_note("WARNING: Hypothesis has spent more than five minutes working to shrink a failing test case")
+    text = _failure_text(found, ["Explanation: more of it", "the ranks said so"])
+    assert text == ("tpdp_verify.judging.divergence.ToyStaysSmall: n = 12 is above 10\n"
+                    "Failing test case: first(n=12)\nthe ranks said so")

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
@@ -78,11 +77,14 @@ REPLAY = "-- replay (save as a file and run it with python):"
 WIDTH = 38  # the longest property name: entry_points_state_dict_like_unsharded
 
 
+# hypothesis's own commentary, as notes on the exception or reported: not part of a finding
+_ASIDES = ("Explanation:", "WARNING: Hypothesis", "    ")
+
+
 def _failure_text(exc: BaseException, reported: list[str]) -> str:
-    lines = "".join(traceback.format_exception_only(exc)).strip()
-    # hypothesis's own commentary ("Explanation: these lines were always and only run by
-    # failing test cases", "Falsifying example" blocks) is not part of the finding
-    extra = [r for r in reported if r.strip() and r not in lines and not r.startswith(("Explanation:", "    "))]
+    notes = [n for n in getattr(exc, "__notes__", ()) if not n.startswith(_ASIDES)]
+    lines = "\n".join([f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}".strip(), *notes])
+    extra = [r for r in reported if r.strip() and r not in lines and not r.startswith(_ASIDES)]
     return "\n".join([lines, *extra])
 
 
