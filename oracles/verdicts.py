@@ -20,6 +20,8 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     if not any(t.error for t in traces):
         baseline, shadow = oracle(case, capture=True)
         verdict.first_module = localize(traces, case, baseline, shadow)
+    if case.entry == "own":  # the user's function wraps DP with TP: it has no run without TP
+        return
     plain, checks = assemble(case, pool.run(observe_plain_ddp, case))
     alone = judge_training(case, plain, *oracle(case))
     alone.checks[:0] = checks

@@ -308,6 +308,10 @@ def test_plan_takes_ones_own_parallelize_function():
                "--input", "user_models:tokens", "--steps", "1", "--impl", "reference")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "parallelize_fn made 12 parameters DTensors" in out.stdout
+    own = plan("user_models:make_mlp", "--parallelize", "user_models:parallelize_with_ddp", "--dp", "own",
+               "--input", "user_models:vectors", "--steps", "1", "--baseline", "torch-2.13.0")
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert "wrapped DP itself (ddp_mesh)" in own.stdout and "PASS but for known torch faults" in own.stdout
     both = plan("user_models:make_llama", "--plan", "user_models:PLAN",
                 "--parallelize", "user_models:parallelize_nothing", "--input", "user_models:tokens")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -13,7 +13,7 @@ import torch
 import user_models as um
 
 from tpdp_verify import UsageError, verify_plan
-from tpdp_verify.fixtures.parallelize import parallelize_llama
+from tpdp_verify.fixtures.parallelize import parallelize_llama, parallelize_llama_ddp, parallelize_llama_fsdp
 from tpdp_verify.ranks.pool import RankPool
 from tpdp_verify.runner import baseline
 
@@ -98,6 +98,41 @@ def test_a_parallelize_function_of_ones_own_is_verified_like_a_plan(pool):
     assert "parallelize_fn=parallelize_llama" in report.replay
 
 
+@pytest.mark.timeout(300)
+def test_a_parallelize_function_that_wraps_dp_itself_is_driven_as_it_wraps():
+    """torchtitan's whole parallelize_llama: TP, then its own FSDP2 or replicate on the dp
+    dimension. dp="own": the tool finds the wrapper, drives it (two microbatches a step) and
+    says the plain-DP comparison was not made."""
+    with RankPool(4) as four:
+        fsdp = verify(None, um.make_llama, parallelize_fn=parallelize_llama_fsdp, input_fn=um.tokens, dp="own",
+                      mesh=(2, 2), steps=2, accumulate=2, pool=four, impl="torch")
+        ddp = verify(None, um.make_llama, parallelize_fn=parallelize_llama_ddp, input_fn=um.tokens, dp="own",
+                     mesh=(2, 2), steps=1, pool=four, impl="torch", baseline="torch-2.13.0")
+    assert fsdp.status == "PASS", str(fsdp)
+    lines = {x.check: x for x in fsdp.lines}
+    assert lines["plan keys resolve"].detail == "parallelize_fn made 12 parameters DTensors and wrapped DP itself " \
+        "(fully_shard)"
+    assert lines["gradients vs one device"].compared > 0 and lines["DP replicas equal"].compared > 0
+    skipped = [c for c in json.loads(fsdp.to_json())["checks"] if c["check"].endswith("vs plain DDP")]
+    assert [(c["ok"], c["compared"]) for c in skipped] == [(None, 0)] * 2
+    assert all(c["detail"].startswith("not compared: parallelize_fn wraps DP itself") for c in skipped)
+    assert "dp='own'" in fsdp.replay and "parallelize_fn=parallelize_llama_fsdp" in fsdp.replay
+    # torch 2.13's replicate loses the TP parameters' registry: known for the entry point found
+    assert "wrapped DP itself (replicate)" in str(ddp)
+    assert "parameters stay registered in order (vs one device): docs/known-divergences.md#" in str(ddp), str(ddp)
+
+
+def test_a_function_wrapping_ddp_itself_is_assembled_from_its_local_shards(pool):
+    """DDP holds the TP parameters as plain local shards; their layouts are inferred from
+    the unsharded model's shapes, and every value compared."""
+    report = verify(None, parallelize_fn=um.parallelize_with_ddp, dp="own", pool=pool, impl="torch",
+                    baseline="torch-2.13.0")
+    assert report.status == "KNOWN", str(report)
+    assert "wrapped DP itself (ddp_mesh)" in str(report)
+    lines = {x.check: x for x in report.lines}
+    assert lines["parameters after each step"].compared > 0 and lines["forward output"].failed == 0
+
+
 def test_loss_parallel_takes_the_per_sample_loss_users_write_a_dtensor(pool):
     report = verify(um.lm_plan, um.make_llama, input_fn=um.tokens_and_targets, loss_fn=um.dtensor_token_loss,
                     loss_parallel=True, pool=pool, steps=2)
@@ -136,6 +171,11 @@ def test_a_wrong_parallelize_function_is_reported_at_its_module(pool):
     (dict(plan=um.PLAN, parallelize_fn=um.parallelize_nothing), "give a plan (module path -> ParallelStyle) or "
      "parallelize_fn(model, mesh), not both"),
     (dict(plan=None), "give a plan (module path -> ParallelStyle) or parallelize_fn(model, mesh), one of them"),
+    (dict(parallelize_fn=um.parallelize_with_ddp), "parallelize_fn user_models:parallelize_with_ddp wrapped the "
+     "model in DP (ddp_mesh) itself: pass dp='own'"),
+    (dict(parallelize_fn=um.parallelize_swapped, dp="own"), "parallelize_fn user_models:parallelize_swapped "
+     "applied no DP, and dp='own' says it does"),
+    (dict(plan=um.PLAN, dp="own"), "dp='own' means your parallelize_fn wraps DP itself"),
 ])
 def test_parallelize_function_mistakes_are_one_line(pool, kwargs, expected):
     with pytest.raises(UsageError, match=re.escape(expected)):
@@ -216,7 +256,7 @@ def test_a_plan_dict_is_checked_in_this_process_before_any_rank_runs(plan, expec
     ({"model_fn": lambda: um.MLP()}, "model_fn cannot be sent to the ranks"),
     ({"batch": 3, "mesh": (2, 2)}, "batch=3 does not split over dp=2 ranks"),
     ({"mesh": (2, 2)}, "mesh (2, 2) holds 4 ranks but the pool has 2"),
-    ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1"),
+    ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1, own"),
     ({"dtype": torch.int32}, "dtype must be one of float32, bfloat16, float16"),
     ({"plan": [("up", None)]}, "plan is a list; give a dict"),
 ], ids=["batch-rows", "unseeded-input", "scalar-loss", "lambda", "batch-split", "mesh-size", "dp-name",

@@ -111,6 +111,14 @@ def parallelize_swapped(model, mesh):
     return model
 
 
+def parallelize_with_ddp(model, mesh):
+    """The user's own TP, then DDP on the dp dimension: a function that wraps DP itself."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(parallelize_module(model, mesh["tp"], PLAN), device_mesh=mesh["dp"])
+
+
 def parallelize_nothing(model, mesh):
     return model
 

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="a dict for parallelize_module, or a function tp_mesh -> dict")
     tp.add_argument("--parallelize", metavar="MODULE:FN",
                     help="your own parallelize_fn(model, mesh) -> model: applies TP (and any fix-up) to "
-                    "mesh['tp'] of the (dp, tp) mesh; tpdp-verify still wraps DP per --dp")
+                    "mesh['tp'] of the (dp, tp) mesh; tpdp-verify still wraps DP per --dp, unless --dp own says "
+                    "your function wraps it too")
     plan.add_argument("--input", required=True, metavar="MODULE:FN",
                       help="input_fn(n, generator): the input of n samples, or a dict with it under 'input'")
     plan.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, batch): one loss per sample "
@@ -65,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", metavar="MODULE:FN", help="optimizer_fn(params) (default: SGD, lr 0.1, "
                       "momentum 0.9)")
     plan.add_argument("--mesh", default="1x2", type=_mesh, help="DPxTP (default: 1x2)")
-    plan.add_argument("--dp", default="ddp", choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1"))
+    plan.add_argument("--dp", default="ddp", choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1", "own"),
+                      help="the DP entry point tpdp-verify wraps the TP'd model in; own: --parallelize applies "
+                      "DP itself (no plain-DP run then)")
     plan.add_argument("--steps", type=int, default=3)
     plan.add_argument("--batch", type=int, help="global batch, a multiple of DP (default: 2 * DP)")
     plan.add_argument("--accumulate", type=int, default=1, help="microbatches a step")

@@ -200,7 +200,7 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     model = build(case)
     sums = _checksums(model)
     if case.user.parallelize_fn is not None:
-        return _parallelize_problems(case.user.parallelize_fn, model, mesh), sums
+        return _parallelize_problems(case.user.parallelize_fn, model, mesh, case.entry == "own"), sums
     try:
         plan = plan_for(fixture(case), case, mesh["tp"])
     except Exception as exc:
@@ -220,12 +220,13 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     return [f"parallelize_module: {w.message}" for w in caught if "could not be resolved" in str(w.message)], sums
 
 
-def _parallelize_problems(parallelize_fn, model: nn.Module, mesh) -> list[str]:
+def _parallelize_problems(parallelize_fn, model: nn.Module, mesh, own_dp: bool) -> list[str]:
     """What is wrong with what a user's parallelize function does to the model; a plan key
     it cannot resolve is a problem too (parallelize_module only warns)."""
-    from torch.distributed.tensor import DTensor
+    from tpdp_verify.ranks.entries import own_entry
 
     name = name_of(parallelize_fn)
+    shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -238,15 +239,38 @@ def _parallelize_problems(parallelize_fn, model: nn.Module, mesh) -> list[str]:
     unresolved = [f"parallelize_fn {name}: {w.message}" for w in caught if "could not be resolved" in str(w.message)]
     if unresolved:
         return unresolved
-    if not any(isinstance(p, DTensor) for p in (model if out is None else out).parameters()):
+    out = model if out is None else out
+    entry = own_entry(out)
+    if own_dp and entry is None:
+        return [f"parallelize_fn {name} applied no DP, and dp='own' says it does: wrap the model in DDP, "
+                "replicate, fully_shard or FSDP on mesh['dp'] and return the wrapper, or pass dp='ddp' (or "
+                "another) for tpdp-verify to wrap it"]
+    if not own_dp and entry is not None:
+        return [f"parallelize_fn {name} wrapped the model in DP ({entry}) itself: pass dp='own', so that "
+                "tpdp-verify drives your wrapper instead of wrapping it again"]
+    if not tp_sharded(out, shapes):
         return [f"parallelize_fn {name} left every parameter a plain tensor: apply TP to the tp dimension of "
                 "the mesh it is given (parallelize_module(model, mesh['tp'], plan))"]
     return []
 
 
-def check_on_ranks(pool, case: TrainCase) -> int:
+def tp_sharded(model: nn.Module, shapes: dict) -> list[str]:
+    """The parameters TP holds apart: DTensors on a mesh with a tp dimension, and the local
+    shards a DDP-style wrapper keeps in their place (of another shape than ``shapes`` gives,
+    or carrying the transform's record of their DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    inner = getattr(model, "module", model)
+    return [n for n, p in inner.named_parameters(remove_duplicate=False)
+            if ("tp" in (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else
+                hasattr(p, "_st_info") or p.shape != shapes.get(n, p.shape))]
+
+
+def check_on_ranks(pool, case: TrainCase) -> tuple[int, str]:
     """Run ``preflight`` on every rank; raise the first problem; return how many plan keys
-    were checked. Weights must agree on every rank and with the parent's own build."""
+    were checked (or parameters a parallelize function sharded) and the DP entry point the
+    ranks train under (the one a parallelize function applied itself, for dp="own").
+    Weights must agree on every rank and with the parent's own build."""
     from tpdp_verify.ranks.loop import build
 
     replies = pool.run(preflight, case)
@@ -263,7 +287,7 @@ def check_on_ranks(pool, case: TrainCase) -> int:
     user = case.user
     if user.parallelize_fn is not None:
         return pool.run(_sharded, case)[0]
-    return len(user.plan) if not callable(user.plan) else len(pool.run(_plan_keys, case)[0])
+    return len(user.plan) if not callable(user.plan) else len(pool.run(_plan_keys, case)[0]), case.entry
 
 
 def _plan_keys(case: TrainCase) -> list[str]:
@@ -274,16 +298,18 @@ def _plan_keys(case: TrainCase) -> list[str]:
     return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, MESH_DIMS)["tp"]))
 
 
-def _sharded(case: TrainCase) -> int:
-    """On every rank: how many parameters the user's parallelize function makes DTensors."""
-    from torch.distributed.tensor import DTensor
-
+def _sharded(case: TrainCase) -> tuple[int, str]:
+    """On every rank: how many parameters the user's parallelize function holds apart by
+    TP, and the DP entry point it trains under."""
+    from tpdp_verify.ranks.entries import own_entry
     from tpdp_verify.ranks.loop import build, fixture
     from tpdp_verify.ranks.pool import device_mesh
     from tpdp_verify.ranks.tp_dp import MESH_DIMS, apply_tp
 
-    model = apply_tp(fixture(case), case, build(case), device_mesh(case.mesh_shape, MESH_DIMS))
-    return sum(isinstance(p, DTensor) for p in model.parameters())
+    model = build(case)
+    shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    model = apply_tp(fixture(case), case, model, device_mesh(case.mesh_shape, MESH_DIMS))
+    return len(tp_sharded(model, shapes)), own_entry(model) if case.entry == "own" else case.entry
 
 
 # ------------------------------------------------------------------ the API
@@ -298,6 +324,9 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     if (plan is None) == (parallelize_fn is None):
         raise UsageError("give a plan (module path -> ParallelStyle) or parallelize_fn(model, mesh), "
                          f"{'not both' if plan is not None else 'one of them'}")
+    if dp == "own" and parallelize_fn is None:
+        raise UsageError("dp='own' means your parallelize_fn wraps DP itself: give parallelize_fn(model, mesh), "
+                         "or a dp for tpdp-verify to wrap the plan's model with")
     if parallelize_fn is not None and not callable(parallelize_fn):
         raise UsageError(f"parallelize_fn is a {type(parallelize_fn).__name__}; give a function "
                          "(model, mesh) -> model that applies your TP to mesh['tp']")
@@ -344,13 +373,16 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     mesh returning one. Or, in place of a plan, ``parallelize_fn(model, mesh)``: the user's
     own function that applies TP (and any fix-up, such as re-tying weights) to the model,
     given the whole (dp, tp) mesh as torchtitan's parallelize functions are; it returns
-    the model. tpdp-verify still wraps DP per ``dp``. ``input_fn(n, generator)`` returns the input of ``n`` samples
+    the model. tpdp-verify still wraps DP per ``dp``, unless ``dp="own"``: then the function
+    applies DP itself too (DDP, replicate, fully_shard or FSDP on ``mesh["dp"]``, returning
+    the wrapper), tpdp-verify drives the wrapper it finds, and the plain-DP comparison is
+    not made (the report says so). ``input_fn(n, generator)`` returns the input of ``n`` samples
     (dim 0), or a dict with it under "input" and any targets; draw from ``generator``.
     ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
     weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
     ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
     ddp (``_pre_dp_module_transform`` then DDP on the dp group), ddp_mesh (DDP with the dp
-    sub-mesh), replicate, fsdp2 (``fully_shard``) or fsdp1. Runs on ``pool`` if given (its
+    sub-mesh), replicate, fsdp2 (``fully_shard``), fsdp1, or own (above). Runs on ``pool`` if given (its
     world size must be dp * tp), else on a pool of its own. ``baseline`` (a file or a shipped
     name such as "torch-2.13.0"): departures that are faults it records for this DP entry
     point are labelled known, with their entry in docs/known-divergences.md, and the
@@ -383,19 +415,25 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         warnings.warn(f"mesh {tuple(mesh)} needs {world} ranks and this machine has {cpus} CPUs: the ranks "
                       "time-share them, so the run takes longer (the verdict is the same)", stacklevel=2)
     pool = RankPool(world, backend, timeout=timeout, output=rank_output) if owned else pool
-    keys = 0
+    keys, entry = 0, case.entry
     try:
-        keys = check_on_ranks(pool, case)
+        keys, entry = check_on_ranks(pool, case)
         one = verdict_one_device(pool, impl, case)
-        plain = verdict_plain_ddp(pool, impl, case)
+        plain = Verdict(against="plain DDP") if case.entry == "own" else verdict_plain_ddp(pool, impl, case)
     except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
         one, plain = _did_not_finish(exc), Verdict(against="plain DDP")
     finally:
         if owned:
             pool.close()
-    return Report.of(case, keys, one, plain, replay or _replay(case, impl, plan, baseline),
-                     f"parallelize_fn made {keys} parameters DTensors" if parallelize_fn is not None else None,
-                     baseline or "", known)
+    if case.entry == "own":
+        known = _known_faults(baseline, entry) if baseline else {}
+    detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" + (
+        f" and wrapped DP itself ({entry})" if case.entry == "own" else "")
+    return Report.of(case, keys, one, plain, replay or _replay(case, impl, plan, baseline), detail,
+                     baseline or "", known, OWN_DP if case.entry == "own" else "")
+
+
+OWN_DP = "parallelize_fn wraps DP itself (dp='own'), so there is no run without TP to compare with"
 
 
 # The suite's training properties whose known faults a user's run can show, per oracle.
@@ -469,8 +507,7 @@ def _replay(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
     args += [f"loss_parallel={u.loss_parallel}"] if u.loss_parallel else []
     args += [f"ddp_options={dataclasses.asdict(case.ddp)!r}"] if case.ddp != DDPOptions() else []
     args += [f"baseline={baseline!r}"] if baseline else []
-    paths = sorted({str(Path(sys.modules[m].__file__).resolve().parents[m.count(".")]) for m in imports
-                    if getattr(sys.modules.get(m), "__file__", None)})  # where each module's top package is
+    paths = sorted({p for m in imports if (p := _import_root(m))})
     lines = ["import sys", "", "import torch", "", "from tpdp_verify import verify_plan", ""]
     lines += [f"sys.path[:0] = {paths!r}  # the directories of the modules below"] if paths else []
     lines += [f"from {_module_name(m)} import {', '.join(dict.fromkeys(names))}" for m, names in imports.items()]
@@ -479,6 +516,17 @@ def _replay(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
               f"    report = verify_plan({', '.join(args)})", "    print(report)",
               "    raise SystemExit(0 if report.ok else 1)"]
     return "\n".join(lines) + "\n"
+
+
+def _import_root(module: str) -> str | None:
+    """The directory from which ``module`` imports: where its top-level package (or the
+    module itself) lies. A package installed under another folder's name (tpdp_verify's
+    fixtures) counts from its top package."""
+    top = sys.modules.get(module.split(".")[0])
+    if getattr(top, "__file__", None) is None:
+        return None
+    path = Path(top.__file__).resolve()
+    return str(path.parents[1] if hasattr(top, "__path__") else path.parent)
 
 
 def _module_name(module: str) -> str:

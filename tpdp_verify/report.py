@@ -64,10 +64,11 @@ class Line:
     failed: int = 0
     worst: float = 0.0  # the largest error / bound ratio among its values
     detail: str = ""  # the first failure, or what was compared
+    skipped: str = ""  # why this check was not run, where it was not
 
     @property
     def ok(self) -> bool:
-        return self.failed == 0 and (self.compared > 0 or not CHECKS[self.check])
+        return self.failed == 0 and (self.compared > 0 or not CHECKS[self.check] or bool(self.skipped))
 
     def add(self, ok: bool, detail: str = "", ratio: float | None = None) -> None:
         self.compared += 1
@@ -80,6 +81,8 @@ class Line:
     def cell(self, reached: bool) -> tuple[str, str]:
         """Its result and detail columns; ``reached``: whether training got far enough to
         compare anything (a run that raised compares nothing after it)."""
+        if self.skipped:
+            return "-", f"not compared: {self.skipped}"
         if not self.compared:
             if not reached:
                 return "-", "not reached: training raised"
@@ -112,9 +115,10 @@ class Report:
 
     @classmethod
     def of(cls, case: TrainCase, plan_keys: int, one: Verdict, plain: Verdict, replay: str,
-           plan_detail: str | None = None, baseline: str = "", known: dict | None = None) -> Report:
+           plan_detail: str | None = None, baseline: str = "", known: dict | None = None,
+           plain_skipped: str = "") -> Report:
         """``plan_keys``: the plan's keys checked (or the parameters a parallelize function
-        sharded, as ``plan_detail`` says)."""
+        sharded, as ``plan_detail`` says); ``plain_skipped``: why no plain-DP run was made."""
         lines = {name: Line(name) for name in CHECKS}
         keys = lines["plan keys resolve"]
         for _ in range(plan_keys):
@@ -130,6 +134,8 @@ class Report:
         for r in plain.rows:
             name = "gradients vs plain DDP" if r.what == "gradient" else "everything else vs plain DDP"
             lines[name].add(r.err.ok, _row_detail(r), r.err.ratio)
+        for name in ("gradients vs plain DDP", "everything else vs plain DDP"):
+            lines[name].skipped = plain_skipped
         if not lines["buffers"].compared:
             del lines["buffers"]  # the model has none: no row for what is not there
         if not lines["optimizer state"].compared:

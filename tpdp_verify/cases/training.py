@@ -16,9 +16,10 @@ ENTRIES = (
     "fsdp1",            # FullyShardedDataParallel(model, device_mesh=mesh["dp"]): DTensorExtensions
     "fully_shard",      # FSDP2 fully_shard(model, mesh=mesh["dp"]): DTensor parameters on the 2-D mesh
 )
-# verify_plan's names for them (tpdp_verify.plan).
+# verify_plan's names for them (tpdp_verify.plan); "own": the user's parallelize function
+# applies DP itself (tpdp_verify.ranks.entries.wrap_own finds which).
 DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
-      "fsdp2": "fully_shard", "fsdp1": "fsdp1"}
+      "fsdp2": "fully_shard", "fsdp1": "fsdp1", "own": "own"}
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 OPTIMIZERS = ("sgd", "adam")
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")

@@ -21,6 +21,9 @@ class Wrapped(NamedTuple):
     no_sync: object  # () -> context manager
     whole_params: object = None  # see tpdp_verify.ranks.loop.Run
     state_unobserved: str = ""
+    # TP layouts of parameters the wrapper holds as plain local shards, where they could not
+    # be recorded before it wrapped (a user's own DP: wrap_own)
+    layouts: dict | None = None
 
 
 def wrap_ddp_mesh(model, case: TrainCase, mesh, impl) -> Wrapped:
@@ -88,7 +91,11 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
 
     # FSDP1 runs on the CPU only when told to: without device_id it looks for an accelerator.
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
-    fsdp = FSDP(model, device_mesh=mesh["dp"], use_orig_params=True, device_id=device)
+    return _driven_fsdp1(FSDP(model, device_mesh=mesh["dp"], use_orig_params=True, device_id=device))
+
+
+def _driven_fsdp1(fsdp) -> Wrapped:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     @contextlib.contextmanager
     def whole_params():
@@ -98,10 +105,66 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
     return Wrapped(fsdp, fsdp.module, fsdp.no_sync, whole_params, FSDP1_STATE)
 
 
+def wrap_own(model, case: TrainCase, mesh, impl) -> Wrapped:
+    """dp="own": the user's parallelize function applied DP itself; find which entry point,
+    to drive its microbatches as it expects."""
+    entry = own_entry(model)
+    if entry is None:
+        raise RuntimeError("dp='own' but parallelize_fn applied no DP: wrap the model in DDP, replicate, "
+                           "fully_shard or FSDP on mesh['dp'], or let tpdp-verify wrap it (dp='ddp', ...)")
+    if entry == "fully_shard":  # FSDP's parameters stay DTensors, their layouts in sight
+        return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
+    if entry == "fsdp1":
+        return _driven_fsdp1(model)
+    wrapped = (Wrapped(model, model, lambda: _replicate_no_sync(model)) if entry == "replicate" else
+               Wrapped(model, model.module, model.no_sync))
+    return wrapped._replace(layouts=hidden_layouts(wrapped.inner, case, mesh))
+
+
+def own_entry(model: nn.Module) -> str | None:
+    """The DP entry point a user's function applied to ``model`` (tpdp-verify's name), or None."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, DDP):
+        return "ddp_mesh" if getattr(model, "device_mesh", None) is not None else "transform_ddp"
+    if isinstance(model, FSDP):
+        return "fsdp1"
+    if isinstance(model, FSDPModule):
+        return "fully_shard"
+    return "replicate" if replicate.state(model) is not None else None
+
+
+def hidden_layouts(inner: nn.Module, case: TrainCase, mesh) -> dict:
+    """The TP layout of each parameter that a DDP-style wrapper holds as a plain local shard,
+    inferred from the unsharded model's shapes rather than read from the transform's own
+    record: the one dim whose size differs is sharded over tp as torch.chunk splits it."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from tpdp_verify.ranks.loop import build
+
+    whole = dict(build(case).named_parameters(remove_duplicate=False))
+    layouts = {}
+    for name, p in inner.named_parameters(remove_duplicate=False):
+        g = whole.get(name)
+        if isinstance(p, DTensor) or g is None or p.shape == g.shape:
+            continue
+        dims = [d for d, (a, b) in enumerate(zip(p.shape, g.shape)) if a != b]
+        if p.dim() != g.dim() or len(dims) != 1:
+            raise RuntimeError(f"cannot tell how {name} is sharded: this rank holds {list(p.shape)} of "
+                               f"{list(g.shape)}; TP under dp='own' must shard one dim over mesh['tp']")
+        layouts[name] = DTensorSpec(mesh["tp"], (Shard(dims[0]),), TensorMeta(g.shape, g.stride(), p.dtype))
+    return layouts
+
+
 WRAP = {
     "ddp_mesh": wrap_ddp_mesh,
     "transform_ddp": wrap_transform_ddp,
     "replicate": wrap_replicate,
     "fully_shard": wrap_fully_shard,
     "fsdp1": wrap_fsdp1,
+    "own": wrap_own,
 }

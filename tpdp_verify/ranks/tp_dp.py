@@ -96,7 +96,7 @@ def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
     """How ``train`` drives the wrapped model on this rank's rows. The layouts are recorded
     from ``before`` (the TP'd parameters) so that a transform that garbles its own record
     of them cannot fool the assembly."""
-    specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)}
+    specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)} | (wrapped.layouts or {})
     return Run(wrapped.model, wrapped.inner, rows(case, mesh.get_local_rank("dp")),
                part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
                handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
