@@ -13,7 +13,9 @@ import torch
 import user_models as um
 
 from tpdp_verify import UsageError, verify_plan
+from tpdp_verify.fixtures.models import LlamaLM
 from tpdp_verify.fixtures.parallelize import parallelize_llama, parallelize_llama_ddp, parallelize_llama_fsdp
+from tpdp_verify.plan import plan_problems
 from tpdp_verify.ranks.pool import RankPool
 from tpdp_verify.runner import baseline
 
@@ -94,7 +96,8 @@ def test_a_parallelize_function_of_ones_own_is_verified_like_a_plan(pool):
     assert report.ok, str(report)
     keys = report.lines[0]  # embedding, final norm, head; a block's 7 projections and 2 norms
     assert keys.compared == 12 and keys.detail == "parallelize_fn made 12 parameters DTensors"
-    assert "from tpdp_verify.fixtures.parallelize import parallelize_llama" in report.replay
+    assert "from tpdp_verify.fixtures.models import LlamaLM
+from tpdp_verify.fixtures.parallelize import parallelize_llama" in report.replay
     assert "parallelize_fn=parallelize_llama" in report.replay
 
 
@@ -247,6 +250,20 @@ def test_a_plan_dict_is_checked_in_this_process_before_any_rank_runs(plan, expec
     with pytest.raises(UsageError) as excinfo:
         verify(plan, pool=NoRanks())
     assert expected in one_line(excinfo)
+
+
+def test_heads_that_do_not_split_over_tp_are_refused_before_any_rank():
+    """A 3x3 mesh once spawned 9 ranks on 2 cores to meet a reshape error: 2 heads of width
+    4 over tp=3 leave a rank part of a head. Uneven splits of whole heads are fine."""
+    with pytest.raises(UsageError) as excinfo:
+        verify(um.ATTENTION, um.make_llama, input_fn=um.tokens, mesh=(3, 3), pool=NoRanks())
+    assert one_line(excinfo) == (
+        "plan key 'layers.*.attention.wq': ColwiseParallel splits the 2 heads of layers.0.attention.wq "
+        "(head_dim 4) over 3 tp ranks as [3, 3, 2] columns, so some rank would hold part of a head; use a tp "
+        "that divides 2, or leave 'layers.0.attention.wq' out of the plan")
+    assert plan_problems(um.make_llama(), um.ATTENTION, 2) == []
+    five = LlamaLM(vocab=16, dim=10, hidden=12, heads=5, seq=4)  # 5 heads over 3 ranks: 2, 2 and 1
+    assert plan_problems(five, um.ATTENTION, 3) == []
 
 
 @pytest.mark.parametrize("kwargs, expected", [

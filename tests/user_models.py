@@ -53,7 +53,9 @@ def make_per_rank():
 
 PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 BLOCKS_PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
-SWAPPED = {"up": RowwiseParallel(), "down": ColwiseParallel()}  # row- and column-parallel swapped
+SWAPPED = {"up": RowwiseParallel(), "down": ColwiseParallel()}
+ATTENTION = {f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")} | {
+    "layers.*.attention.wo": RowwiseParallel()}  # row- and column-parallel swapped
 TYPO = {"upp": ColwiseParallel(), "down": RowwiseParallel()}
 LOCAL_HEAD = {"down": ColwiseParallel()}  # the head hands on its tp shard: the model returns half its width
 WRONG_TYPE = {"act": ColwiseParallel(), "down": RowwiseParallel()}

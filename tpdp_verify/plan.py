@@ -173,7 +173,27 @@ def plan_problems(model: nn.Module, plan: dict, tp: int) -> list[str]:
                 problems.append(f"plan key {key!r}: {type(style).__name__} shards dim {dim} of {path}.weight "
                                 f"(size {module.weight.shape[dim]}) over {tp} tp ranks, so some rank would hold "
                                 f"none of it; widen it to at least {tp} or leave {path!r} out of the plan")
+            elif dim == 0 and isinstance(module, nn.Linear):
+                problems += _split_heads(key, path, module, modules.get(path.rpartition(".")[0]), tp)
     return problems
+
+
+def _split_heads(key: str, path: str, linear: nn.Linear, owner: nn.Module | None, tp: int) -> list[str]:
+    """A column-sharded projection of an attention module (one with a ``head_dim``, or a
+    config holding it, as transformers' have) must give each rank whole heads: its forward
+    views the rank's columns as (heads, head_dim) and fails there otherwise."""
+    head_dim = next((d for o in (owner, getattr(owner, "config", None))
+                     if isinstance(d := getattr(o, "head_dim", None), int) and d > 0), None)
+    width = linear.out_features
+    if head_dim is None or width % head_dim:
+        return []
+    chunk = -(-width // tp)  # torch.chunk's split, as DTensor's Shard makes it
+    shards = [max(0, min(chunk, width - r * chunk)) for r in range(tp)]
+    if all(n % head_dim == 0 for n in shards):
+        return []
+    return [f"plan key {key!r}: ColwiseParallel splits the {width // head_dim} heads of {path} (head_dim "
+            f"{head_dim}) over {tp} tp ranks as {shards} columns, so some rank would hold part of a head; "
+            f"use a tp that divides {width // head_dim}, or leave {path!r} out of the plan"]
 
 
 def _checksums(model: nn.Module) -> dict[str, tuple[float, float]]:
