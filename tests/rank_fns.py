@@ -108,3 +108,10 @@ def return_dtensor():
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     return distribute_tensor(torch.ones(2), device_mesh((dist.get_world_size(),)), [Replicate()])
+
+
+def speak_and_say_parent():
+    """Print on stdout and write to fd 2 as C++ would; return the process this rank forked from."""
+    print(f"rank {dist.get_rank()} says hello", flush=True)
+    os.write(2, f"rank {dist.get_rank()} writes to fd 2\n".encode())
+    return os.getppid()

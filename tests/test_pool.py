@@ -263,3 +263,40 @@ def test_a_rank_that_outgrows_its_baseline_is_replaced_before_the_next_call():
 def test_nccl_pool_runs_on_gpus():
     with RankPool(2, "nccl") as pool:
         assert [r[2].item() for r in pool.run(rank_fns.rank_and_sum, "n")] == [1.0, 1.0]
+
+
+SERVER_SCRIPT = """
+import os
+from multiprocessing import forkserver
+
+import rank_fns
+from tpdp_verify.ranks.pool import RankPool
+
+if __name__ == "__main__":
+    with RankPool(2) as pool:
+        parents = pool.run(rank_fns.speak_and_say_parent)
+    server = forkserver._forkserver._forkserver_pid
+    print("server", server, os.readlink(f"/proc/{server}/fd/1"), parents)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the fork server's fds from /proc")
+def test_ranks_fork_from_a_server_without_a_terminal_and_still_print_on_the_callers(tmp_path):
+    """Ranks fork from a server that imported torch once. The server outlives the caller by
+    its imports, so it holds none of the caller's stdio (a pipe reading it would stay open);
+    each rank prints on the caller's stdout and stderr all the same."""
+    import subprocess
+    import sys
+
+    (tmp_path / "script.py").write_text(SERVER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 says hello" in done.stdout and "rank 1 says hello" in done.stdout
+    assert "rank 0 writes to fd 2" in done.stderr and "rank 1 writes to fd 2" in done.stderr
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("server "))
+    _, server, fd1, parents = line.split(" ", 3)
+    assert fd1 == os.devnull
+    assert parents == f"[{server}, {server}]"  # each rank forked from it

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 from tpdp_verify import torch_release
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
@@ -147,6 +148,9 @@ def _gate(args: argparse.Namespace) -> int:
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
     from tpdp_verify import outputs
+    from tpdp_verify.ranks import pool
+
+    pool.warm_up()  # the ranks' torch imports while this process imports its own
     from tpdp_verify.runner import baseline
     from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
     from tpdp_verify.runner.suite import load as load_suite
@@ -248,7 +252,9 @@ def _named(path: str, what: str):
 def _plan(args: argparse.Namespace) -> int:
     files = _outputs(args, "json", "junit", "markdown")
     from tpdp_verify import outputs
+    from tpdp_verify.ranks import pool
 
+    pool.warm_up()  # the ranks' torch imports while this process imports its own
     started, start = outputs.now(), time.monotonic()
     from tpdp_verify.plan import verify_plan
 
@@ -284,12 +290,18 @@ def _env(args: argparse.Namespace) -> int:
 COMMANDS = {"gate": _gate, "plan": _plan, "env": _env}
 
 
+def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"tpdp-verify: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command != "env":  # env says what this machine has, torch too old or not
-            torch_release.check()
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():  # a warning of ours is one line, as an error is
+            warnings.showwarning = _one_line
+            if args.command != "env":  # env says what this machine has, torch too old or not
+                torch_release.check()
+            return COMMANDS[args.command](args)
     except UsageError as exc:
         print(f"tpdp-verify: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -306,4 +318,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> None:
-    sys.exit(main())
+    code = main()
+    # Everything is written and every rank stopped: skip unloading torch's modules at exit,
+    # a second of a command that takes ten.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

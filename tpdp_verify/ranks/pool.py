@@ -58,6 +58,68 @@ HANG_FLOOR = 20.0
 
 _MESHES: dict = {}
 _DEVICE_TYPE = "cpu"
+
+# What a rank imports before its first call, once, in the fork server the ranks fork from.
+# torch._dynamo: DTensor and FSDP import it on a rank's first call (a second on 2 cores).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.fsdp", "torch._dynamo", "torch.utils._pytree", "numpy.random",
+           "tpdp_verify.ranks.tp_dp", "tpdp_verify.ranks.checkpoint"]
+
+
+def _context():
+    """Ranks fork from a server that imported torch once, where the platform forks: each
+    spawned rank importing torch itself costs seconds, and 4 ranks on 2 cores wait for each
+    other's. The server is a fresh interpreter (nothing of this process's state, threads or
+    patches goes with it); each rank still imports ``__main__`` and the caller's sys.path
+    as a spawned one would. ``TPDP_VERIFY_START_METHOD=spawn`` spawns each rank afresh
+    (bench/bench_plan.py compares the two)."""
+    wanted = os.environ.get("TPDP_VERIFY_START_METHOD", "forkserver")
+    if wanted != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def warm_up() -> None:
+    """Start the fork server now, so its imports overlap the caller's (the CLI's torch)."""
+    if not _under_launcher():
+        _start_server(_context())
+
+
+def _start_server(ctx) -> None:
+    """The fork server, started with no terminal: it outlives this process by its imports'
+    seconds, and holding this process's stdout would keep a pipe reading it open that long.
+    Each rank gets this process's stdout and stderr itself (``_Stdio``)."""
+    from multiprocessing import forkserver
+
+    if ctx.get_start_method() != "forkserver" or forkserver._forkserver._forkserver_pid is not None:
+        return
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        forkserver.ensure_running()
+    finally:
+        for fd, old in zip((0, 1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(null)
+
+
+class _Stdio:
+    """This process's stdout and stderr, sent to a rank as file descriptors (how
+    multiprocessing passes a pipe), for a rank forked from a server that has none."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _Stdio.received, (DupFd(1), DupFd(2))
+
+    @staticmethod
+    def received(out, err) -> tuple[int, int]:
+        return out.detach(), err.detach()
 _CAUGHT = ""  # what the current call caught and returns in its result (see caught)
 CAUGHT_PART = "signature part: "  # how a caught exception's signature part travels in its text
 
@@ -169,7 +231,8 @@ def _exit_when_orphaned(lifeline) -> None:
     os._exit(70)  # the parent is gone: nobody will ever ask this rank anything again
 
 
-def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file, log_file=None) -> None:
+def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file, log_file=None,
+               stdio=(1, 2)) -> None:
     """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
     global _DEVICE_TYPE
     if log_file:  # stdout and stderr, C++'s included (torch's warnings, gloo's logs), to the file
@@ -177,6 +240,11 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    else:  # the parent's, as _Stdio sent them
+        for fd, target in zip(stdio, (1, 2)):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # On SIGUSR1 the rank writes every thread's Python stack, even when stuck in C++
     # (a collective): what the parent reports for a hang.
@@ -294,7 +362,8 @@ class _Ranks:
                  output: str | None = None):
         import torch.distributed as dist
 
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
+        _start_server(ctx)
         self.limit = start_timeout  # the running call's timeout, for its message
         self.store = dist.TCPStore(
             "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
@@ -309,7 +378,8 @@ class _Ranks:
                 target=_rank_main,
                 args=(rank, world_size, backend, self.store.port, child_end, lifeline_r, pg_timeout,
                       os.path.join(self.stack_dir, f"rank{rank}.txt"),
-                      output and os.path.join(output, f"world{world_size}-rank{rank}.log")),
+                      output and os.path.join(output, f"world{world_size}-rank{rank}.log"),
+                      (1, 2) if output else _Stdio()),
                 name=f"tpdp-rank-{rank}",
                 daemon=True,
             )
