@@ -8,7 +8,7 @@ import pytest
 from tpdp_verify.runner import profiles
 from tpdp_verify.runner.gate import run_gate, summary
 
-from toy_suite import first, second
+from toy_suite import chatty, first, second, silent
 
 
 @pytest.mark.timeout(300)
@@ -38,3 +38,19 @@ def test_a_findings_text_keeps_the_failing_case_and_leaves_out_hypothesis_asides
     text = _failure_text(found, ["Explanation: more of it", "the ranks said so"])
     assert text == ("tpdp_verify.judging.divergence.ToyStaysSmall: n = 12 is above 10\n"
                     "Failing test case: first(n=12)\nthe ranks said so")
+
+
+@pytest.mark.timeout(300)
+def test_what_the_ranks_print_is_kept_with_the_search_it_came_from(tmp_path):
+    profile = dataclasses.replace(profiles.get("smoke"), world_sizes=(2,))
+    outcomes = run_gate((chatty, silent), profile, "reference", progress=lambda line: None,
+                        rank_output=str(tmp_path))
+    loud, quiet = outcomes
+    assert loud.status == "diverges" and loud.rank_output == str(tmp_path / "chatty-world2.log")
+    text = (tmp_path / "chatty-world2.log").read_text()
+    assert text.startswith("==> rank0 <==\n") and "==> rank1 <==\n" in text
+    assert text.count("rank says n = ") == 2 * loud.stats.examples > 0  # every call, each rank once
+    assert quiet.status == "pass" and quiet.rank_output == ""  # nothing printed: no file
+    assert all(p.read_bytes() == b"" for p in tmp_path.glob("world2-rank*.log"))  # moved, not copied
+    assert f"what the ranks printed during this search (-v shows it as it comes): {loud.rank_output}" \
+        in summary(outcomes, profile, "reference", 1.0)

@@ -38,4 +38,22 @@ def rare(pool, impl, n):
         raise divergence(("check:toy-avoids-rare",))(f"n = {n} is the rare one")
 
 
+def _say(n):
+    import sys
+
+    print(f"rank says n = {n}", file=sys.stderr, flush=True)
+
+
+@tpdp_property(n=st.integers(0, 10_000))
+def chatty(pool, impl, n):
+    """Its ranks print (as torch's warnings would), then it fails as ``first`` does."""
+    pool.run(_say, n)
+    _fails_above_ten(n)
+
+
+@tpdp_property(n=st.integers(0, 10_000))
+def silent(pool, impl, n):
+    pool.run(abs, n)
+
+
 ALL = (rare,)

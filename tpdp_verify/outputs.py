@@ -123,6 +123,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 "seconds": round(o.seconds, 3),
                 "unshrunk": o.unshrunk,
                 "shrink_seconds": round(o.stats.shrink_seconds, 3),
+                "rank_output": o.rank_output or None,
                 "message": o.message,
                 "findings": [{"status": f.status or "found", "signature": list(f.signature), "kind": f.kind,
                               "failure": f.failure, "replay": f.replay,

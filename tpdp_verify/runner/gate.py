@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 import torch
@@ -58,6 +60,7 @@ class Outcome:
     backend: str = ""  # the process group's, as the pool chose it
     wanted: int = 0  # examples the profile asks this property to draw
     unshrunk: bool = False  # the gate's shrinking budget was spent before this search ran
+    rank_output: str = ""  # the file holding what the ranks printed during this search, if they did
 
     def judged(self) -> None:
         """The status from the findings' own, once a baseline has judged them."""
@@ -221,11 +224,30 @@ def iter_gate(
                 run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking)
                 outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn)
                 outcome.unshrunk = profile.shrink and not run_profile.shrink
+                outcome.rank_output = _set_aside(rank_output, world_size, prop.name) if rank_output else ""
                 shrinking += outcome.stats.shrink_seconds
                 done, failed = done + 1, failed + (outcome.status in ("diverges", "infra"))
                 progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
                          f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
                 yield outcome
+
+
+def _set_aside(directory: str, world_size: int, name: str) -> str:
+    """Move what the ranks printed during one property's search (torch's warnings, C++ logs,
+    a crash's own words) from their logs into a file of its own, kept with its outcome;
+    the path, or "" if they printed nothing. The ranks are idle between calls, and append."""
+    logs = sorted(Path(directory).glob(f"world{world_size}-rank*.log"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+    texts = {p: p.read_bytes() for p in logs}
+    for p in logs:
+        os.truncate(p, 0)
+    if not any(texts.values()):
+        return ""
+    target = Path(directory) / f"{name}-world{world_size}.log"
+    with target.open("ab") as f:
+        for p, text in texts.items():
+            if text:
+                f.write(f"==> {p.stem.split('-', 1)[1]} <==\n".encode() + text)
+    return str(target)
 
 
 def run_gate(properties: tuple[Property, ...], profile: Profile, impl: str = "torch",
@@ -301,6 +323,8 @@ def outcome_report(o: Outcome) -> str:
     known = [f.kind for f in o.findings if f.status == "known"]
     if known:
         out += ["", f"known ({o.stats.known} examples showed only known failures): " + "; ".join(known)]
+    if o.rank_output:
+        out += ["", f"what the ranks printed during this search (-v shows it as it comes): {o.rank_output}"]
     return "\n".join(out)
 
 
