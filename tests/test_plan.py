@@ -268,14 +268,15 @@ def test_heads_that_do_not_split_over_tp_are_refused_before_any_rank():
 @pytest.mark.parametrize("kwargs, expected", [
     ({"input_fn": um.three_rows}, "input_fn(2, generator) returned 'input' of shape [3, 8]: dim 0 must hold the 2 samples"),
     ({"input_fn": um.unseeded}, "input_fn returned different batches for the same generator"),
-    ({"loss_fn": um.total_loss}, "loss_fn returned [] for a batch of 2: return one loss per sample (shape [2])"),
+    ({"loss_fn": um.unreduced_loss}, "loss_fn returned [2, 8] for a batch of 2: return one loss per sample "
+     "(shape [2]), which tpdp-verify weights at random, or the batch's mean loss (a scalar)"),
     ({"model_fn": lambda: um.MLP()}, "model_fn cannot be sent to the ranks"),
     ({"batch": 3, "mesh": (2, 2)}, "batch=3 does not split over dp=2 ranks"),
     ({"mesh": (2, 2)}, "mesh (2, 2) holds 4 ranks but the pool has 2"),
     ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1, own"),
     ({"dtype": torch.int32}, "dtype must be one of float32, bfloat16, float16"),
     ({"plan": [("up", None)]}, "plan is a list; give a dict"),
-], ids=["batch-rows", "unseeded-input", "scalar-loss", "lambda", "batch-split", "mesh-size", "dp-name",
+], ids=["batch-rows", "unseeded-input", "unreduced-loss", "lambda", "batch-split", "mesh-size", "dp-name",
         "dtype", "plan-type"])
 def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
     kwargs = {"pool": pool, "model_fn": um.make_mlp, "plan": um.PLAN, **kwargs}

@@ -86,8 +86,8 @@ def unseeded(n, generator):
     return torch.randn(n, 8)
 
 
-def total_loss(out, batch):
-    return out.pow(2).sum()
+def unreduced_loss(out, batch):
+    return out.pow(2)  # a loss per element, not per sample
 
 
 def adam(params):

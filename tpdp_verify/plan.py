@@ -15,7 +15,6 @@ import pickle
 import sys
 import warnings
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +24,7 @@ from torch import nn
 from tpdp_verify import signature
 from tpdp_verify.cases.training import DP, TRAIN_DTYPES, DDPOptions, TrainCase
 from tpdp_verify.errors import PoolError, RankFailed, UsageError
+from tpdp_verify.styles import resolve
 
 
 def name_of(fn) -> str:
@@ -37,21 +37,26 @@ def name_of(fn) -> str:
 
 
 def mean_square(out, batch: dict) -> torch.Tensor:
-    """The default per-sample loss: the mean square of each sample's output."""
+    """The default per-sample loss: the mean square of each sample's output (of a pytree
+    output, its first tensor leaf with the batch's rows: a ModelOutput's logits)."""
+    import torch.utils._pytree as pytree
     from torch.distributed.tensor import DTensor
 
+    rows = len(next(iter(batch.values())))
+    out = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() and len(t) == rows), out)
     out = out.full_tensor() if isinstance(out, DTensor) else out
     return out.reshape(len(out), -1).pow(2).mean(1)
 
 
 def as_batch(value) -> dict:
-    """input_fn's result as the training loop takes it: a dict with the model's "input"."""
+    """input_fn's result as the training loop takes it: a dict with the model's "input", or
+    with the keyword arguments of its forward (and any targets)."""
     if isinstance(value, torch.Tensor):
         return {"input": value}
-    if isinstance(value, dict) and isinstance(value.get("input"), torch.Tensor):
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
         return value
-    raise UsageError(f"input_fn returned {type(value).__name__}{' without an input key' if isinstance(value, dict) else ''}"
-                     ": return the model's input tensor, or a dict with the input under 'input' and any targets")
+    raise UsageError(f"input_fn returned {type(value).__name__}: return the model's input tensor, or a dict of "
+                     "tensors: the input under 'input' or the forward's keyword arguments by name, and any targets")
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,13 @@ def _call(what: str, fn, *args):
         raise UsageError(f"{what} raised {type(exc).__name__}: {exc}") from None
 
 
-def check_inputs(case: TrainCase) -> None:
-    """Everything about the user's callables that the parent can check alone."""
+def check_inputs(case: TrainCase) -> TrainCase:
+    """Everything about the user's callables that the parent can check alone; the case
+    with its plan as parallelize_module takes it (transformers' style strings, a model's own
+    plan, keys under the base model's prefix: tpdp_verify.styles)."""
+    from tpdp_verify import styles
+    from tpdp_verify.ranks.loop import forward, model_keys, output_leaves
+
     user, n = case.user, case.global_batch
     _sendable(user)
     torch.manual_seed(case.seed)
@@ -108,9 +118,11 @@ def check_inputs(case: TrainCase) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"model_fn returned a {type(model).__name__}, not an nn.Module")
     if user.plan is not None and not callable(user.plan):  # a typo costs seconds, not a pool's start
-        problems = plan_problems(model, dict(user.plan), case.tp)
+        plan = styles.torch_plan(model, user.plan if user.plan == styles.AUTO else dict(user.plan))
+        problems = plan_problems(model, plan, case.tp)
         if problems:
             raise UsageError(problems[0])
+        case = dataclasses.replace(case, user=dataclasses.replace(user, plan=tuple(plan.items())))
     batches = [as_batch(_call(f"input_fn({n}, generator)", user.input_fn, n, torch.Generator().manual_seed(case.seed)))
                for _ in range(2)]
     for key, value in batches[0].items():
@@ -121,13 +133,22 @@ def check_inputs(case: TrainCase) -> None:
     if any(not torch.equal(batches[0][k], batches[1][k]) for k in batches[0]):
         raise UsageError("input_fn returned different batches for the same generator: draw every random "
                          "value from the generator it is given (torch.randn(..., generator=generator))")
-    out = _call("the model's forward on input_fn's input", model, batches[0]["input"].to(case.torch_dtype)
-                if batches[0]["input"].is_floating_point() else batches[0]["input"])
-    loss = _call("loss_fn(output, batch)", user.loss_fn or mean_square, out, batches[0])
-    if not isinstance(loss, torch.Tensor) or loss.shape != (n,):
+    batch = {k: v.to(case.torch_dtype) if v.is_floating_point() else v for k, v in batches[0].items()}
+    if "input" not in batch and not model_keys(model, batch):
+        raise UsageError(f"input_fn's dict has no 'input' and none of its keys ({', '.join(batch)}) is an argument of "
+                         f"{type(model).__name__}.forward: put the input under 'input', or name the forward's arguments")
+    out = _call("the model's forward on input_fn's input", forward, model, model, batch)
+    leaves, unread = output_leaves(out, n)
+    if not leaves:
+        raise UsageError(f"the model's output has no tensor with the batch's {n} samples in dim 0 to compare"
+                         + (f" (it holds {'; '.join(unread)})" if unread else "")
+                         + ": return the outputs per sample, batch first")
+    loss = _call("loss_fn(output, batch)", user.loss_fn or mean_square, out, batch)
+    if not isinstance(loss, torch.Tensor) or loss.shape not in ((n,), ()):
         got = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UsageError(f"loss_fn returned {got} for a batch of {n}: return one loss per sample "
-                         f"(shape [{n}]); tpdp-verify weights each sample and averages")
+                         f"(shape [{n}]), which tpdp-verify weights at random, or the batch's mean loss (a scalar)")
+    return case
 
 
 # ------------------------------------------------------------------ checks on the ranks
@@ -138,16 +159,6 @@ def _sharding_styles():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {ColwiseParallel: {nn.Linear: 0, nn.Embedding: 1}, RowwiseParallel: {nn.Linear: 1, nn.Embedding: 0}}
-
-
-def resolve(model: nn.Module, key: str) -> list[str]:
-    """The modules a plan key reaches, as parallelize_module walks it: each dotted atom an
-    fnmatch pattern over the children's names."""
-    found = [("", model)]
-    for atom in key.split(".") if key else []:
-        found = [(f"{path}.{name}" if path else name, child) for path, module in found
-                 for name, child in module.named_children() if fnmatch(name, atom)]
-    return [path for path, _ in found]
 
 
 def plan_problems(model: nn.Module, plan: dict, tp: int) -> list[str]:
@@ -350,9 +361,10 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     if parallelize_fn is not None and not callable(parallelize_fn):
         raise UsageError(f"parallelize_fn is a {type(parallelize_fn).__name__}; give a function "
                          "(model, mesh) -> model that applies your TP to mesh['tp']")
-    if plan is not None and not (callable(plan) or isinstance(plan, dict)):
+    if plan is not None and not (callable(plan) or isinstance(plan, dict) or plan == "auto"):
         raise UsageError(f"plan is a {type(plan).__name__}; give a dict as parallelize_module takes it "
-                         "(module path -> ParallelStyle) or a function tp_mesh -> dict")
+                         "(module path -> ParallelStyle, or transformers' style string), a function "
+                         "tp_mesh -> dict, or 'auto' for the model's own tp_plan")
     if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2
             or not all(isinstance(d, int) and d >= 1 for d in mesh)):
         raise UsageError(f"mesh must be (dp, tp), two positive ints, not {mesh!r}")
@@ -370,7 +382,8 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
         ddp = DDPOptions(**(ddp_options or {}))
     except TypeError as exc:
         raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.training.DDPOptions") from None
-    user = UserModel(model_fn, plan if plan is None or callable(plan) else tuple(plan.items()), input_fn,
+    user = UserModel(model_fn, plan if plan is None or callable(plan) or plan == "auto" else tuple(plan.items()),
+                     input_fn,
                      loss_fn, optimizer_fn, loss_parallel, parallelize_fn)
     return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
                      accumulate=accumulate, local_batch=batch // mesh[0], seed=seed, dtype=name, user=user)
@@ -424,7 +437,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
                      parallelize_fn=parallelize_fn)
     known = _known_faults(baseline, case.entry) if baseline else {}
-    check_inputs(case)
+    case = check_inputs(case)
     world = case.dp * case.tp
     if pool is not None and pool.world_size != world:
         raise UsageError(f"mesh {tuple(mesh)} holds {world} ranks but the pool has {pool.world_size}; "
@@ -509,7 +522,9 @@ def _replay(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
         if fn is not None:
             imports[fn.__module__].append(fn.__qualname__.split(".")[0])
     plan_name, written = None, []
-    if plan is not None and not callable(plan):
+    if plan == "auto":
+        plan_name = "'auto'"
+    elif plan is not None and not callable(plan):
         plan_name = _plan_name(plan, imports)
         if plan_name is None:  # no module-level name: written out from its styles' reprs
             plan_name, written = "PLAN", [

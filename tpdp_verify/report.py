@@ -195,6 +195,8 @@ class Report:
             result, detail = line.cell(self._reached)
             out.append(f"  {line.check:<30}{result:<8}{line.compared:>9}  {detail}".rstrip())
         # Against one device first; plain DDP's own report only adds news when that passed.
+        if self.one_device.unread:
+            out += ["", "output leaves not compared: " + "; ".join(self.one_device.unread)]
         out += self._known_lines()
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
         if not verdict.ok:
@@ -222,6 +224,7 @@ class Report:
             "checks": [{"check": x.check, "ok": {"ok": True, "FAIL": False}.get(x.cell(self._reached)[0]),
                         "compared": x.compared, "failed": x.failed, "worst_ratio": _number(x.worst),
                         "detail": x.cell(self._reached)[1]} for x in self.lines],
+            "outputs_not_compared": self.one_device.unread,
             "first_module": self.first_module,
             "plain_ddp": self.one_device.plain_ddp,
             "failures": failures,

@@ -41,6 +41,7 @@ class Verdict:
     against: str = "one device"  # the oracle; "" for checks the ranks made themselves
     plain_ddp: str = ""  # on a departure: how the same DP entry point without TP fares
     unobserved: str = ""  # what was not compared, and why
+    unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
     accumulate: int = 1  # microbatches a step: orders outputs among the steps' values
 
     @classmethod
@@ -178,7 +179,7 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     if errors != {""}:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
     whole = Trace(trainable=traces[0].trainable, activations=traces[0].activations,
-                  state_unobserved=traces[0].state_unobserved, registry=traces[0].registry)
+                  state_unobserved=traces[0].state_unobserved, registry=traces[0].registry, unread=traces[0].unread)
     for what in ("trainable", "registry"):
         differ = [r for r, t in enumerate(traces) if getattr(t, what) != getattr(whole, what)]
         checks.append(Check(f"every rank has the same {what} parameters", not differ,
@@ -194,13 +195,15 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
         groups.setdefault(_coords(case, rank)[0], []).append(trace)
     problems, outputs, losses = [], [], []
     for d, group in sorted(groups.items()):
-        out, out_problems = _merged_steps("output", [[{"": o} for o in t.outputs] for t in group], "microbatch")
+        out, out_problems = _merged_steps("output", [t.outputs for t in group], "microbatch")
         loss, loss_problems = _merged_steps("loss", [[{"": torch.tensor(x)} for x in t.losses] for t in group],
                                             "microbatch")
         problems += [f"dp group {d}: {p}" for p in out_problems + loss_problems]
-        outputs.append([o[""] for o in out])
+        outputs.append(out)
         losses.append([float(x[""]) for x in loss])
-    whole.outputs = [torch.cat(rows) for rows in zip(*outputs)]
+    # each microbatch: each leaf's rows, dp group after dp group (a leaf some group lacks is missing)
+    whole.outputs = [{name: torch.cat([g[name] for g in parts]) for name in parts[0] if all(name in g for g in parts)}
+                     for parts in zip(*outputs)]
     whole.losses = [sum(parts) / len(parts) for parts in zip(*losses)]
     checks.append(Check("tp ranks of a dp group produce the same output and loss", not problems,
                         "; ".join(problems[:3])))
@@ -243,7 +246,7 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     """Compare a global trace with a baseline in the case's dtype and the float64 shadow."""
     dtype = case.torch_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
-                if observed.state_unobserved else "", accumulate=case.accumulate)
+                if observed.state_unobserved else "", unread=shadow.unread, accumulate=case.accumulate)
     if observed.error:
         v.checks.append(Check("trains without an exception", False, observed.error, observed.raised))
         v.first_module = observed.raised_in or None
@@ -253,7 +256,7 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
                           f"trainable {observed.trainable}, oracle {shadow.trainable}"))
     v.checks.append(_registry(observed.registry, shadow.registry, shadow.tied))
     for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
-        _values("output", i, {"model": o}, {"model": b}, {"model": s}, v, dtype)
+        _values("output", i, o, b, s, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
         _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
     _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v, dtype)

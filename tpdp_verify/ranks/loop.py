@@ -30,7 +30,8 @@ class Trace(Observation):
     """What one training run (one rank, or the oracle) observed, step by step."""
 
     trainable: list[str] = field(default_factory=list)  # names requiring grad before training
-    outputs: list[torch.Tensor] = field(default_factory=list)  # each microbatch, this run's rows
+    outputs: list[dict] = field(default_factory=list)  # each microbatch: leaf path -> this run's rows of it
+    unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
     losses: list[float] = field(default_factory=list)
     grads: list[dict] = field(default_factory=list)  # each step: name -> gradient (or its Piece) or None
     params: list[dict] = field(default_factory=list)  # before training, then after each step
@@ -114,6 +115,66 @@ def named(run: Run, optimizer: torch.optim.Optimizer) -> dict:
     return {names.get(id(p), f"<unnamed parameter {i}>"): p for i, p in enumerate(held)}
 
 
+def forward(run_model: nn.Module, inner: nn.Module, batch: dict):
+    """The model called on a batch: its "input" as the one positional argument, or, for a
+    batch without one, every key the user's forward names as keyword arguments (a
+    transformers model's input_ids, attention_mask, labels, ...)."""
+    if "input" in batch:
+        return run_model(batch["input"])
+    return run_model(**{k: batch[k] for k in model_keys(inner, batch)})
+
+
+def model_keys(inner: nn.Module, batch: dict) -> list[str]:
+    """The batch's keys that ``inner.forward`` takes by name (the loop's own "weight" aside)."""
+    import inspect
+
+    params = inspect.signature(inner.forward).parameters
+    named = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [k for k in batch if k in named and k != "weight"]
+
+
+def output_leaves(out, rows: int) -> tuple[dict, list[str]]:
+    """A model output of any pytree shape (a tensor, a tuple, a dict, transformers'
+    ModelOutput) as leaf path -> tensor, for each tensor leaf that holds the batch's rows in
+    dim 0 (a DTensor one whole); and every other leaf, with why it is not compared (a
+    batch-mean loss is judged as the loss; an object such as a KV cache is no pytree)."""
+    import torch.utils._pytree as pytree
+
+    leaves, unread = {}, []
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        name = leaf_name(path)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == rows:
+            leaves[name] = whole(leaf.detach()).clone()
+        elif isinstance(leaf, torch.Tensor):
+            unread.append(f"{name} (shape {list(leaf.shape)}: no dim 0 of the batch's {rows} rows to put together)")
+        elif leaf is not None:
+            unread.append(f"{name} (a {type(leaf).__name__}, not a tensor)")
+    return leaves, unread
+
+
+def leaf_name(path) -> str:
+    """A pytree path as a user writes it: ``logits``, ``past_key_values[0][1]``, ``model`` for a bare tensor."""
+    import torch.utils._pytree as pytree
+
+    text = ""
+    for key in path:
+        if isinstance(key, pytree.MappingKey):
+            text += f".{key.key}" if isinstance(key.key, str) and key.key.isidentifier() else f"[{key.key!r}]"
+        elif isinstance(key, pytree.SequenceKey):
+            text += f"[{key.idx}]"
+        else:
+            text += f".{getattr(key, 'name', key)}"
+    return text.lstrip(".") or "model"
+
+
+def weighted_loss(per_sample: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The loss a run backpropagates: each sample's loss weighted by a random weight and
+    averaged, which exposes DP averaging bugs a plain mean hides; a loss the model already
+    averaged over its batch (a scalar, as transformers' ``labels`` give) as it is."""
+    per_sample = whole(per_sample)
+    return per_sample if per_sample.dim() == 0 else (weight * per_sample).mean()
+
+
 def _first_tensor(value):
     if isinstance(value, torch.Tensor):
         return value
@@ -174,7 +235,7 @@ def build_optimizer(case: TrainCase, run: Run, data: list, new_optimizer: Callab
     in every run alike (it moves buffers such as step counters)."""
     if case.built == "after_forward":
         with torch.no_grad():
-            run.model(data[0][0]["input"][run.rows])
+            forward(run.model, run.inner, {k: v[run.rows] for k, v in data[0][0].items()})
     try:
         return new_optimizer()
     except Exception as exc:
@@ -197,7 +258,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         if case.eval_first:
             run.model.eval()
             with torch.no_grad():
-                run.model(data[0][0]["input"][run.rows])
+                forward(run.model, run.inner, {k: v[run.rows] for k, v in data[0][0].items()})
             run.model.train()
         optimizer = optimizer or build_optimizer(case, run, data, new_optimizer)
         params = named(run, optimizer)
@@ -208,12 +269,13 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
                 with sync, maybe_loss_parallel(run.loss_parallel):
                     with record, tracking(run.inner, running):
-                        out = run.model(local["input"])
+                        out = forward(run.model, run.inner, local)
                     running.append(LOSS)
-                    loss = (local["weight"] * whole(fx.per_sample_loss(out, local))).mean()
+                    loss = weighted_loss(fx.per_sample_loss(out, local), local["weight"])
                     running.pop()
                     loss.backward()
-                trace.outputs.append(whole(out.detach()).clone())
+                leaves, trace.unread = output_leaves(out, len(local["weight"]))
+                trace.outputs.append(leaves)
                 trace.losses.append(float(whole(loss.detach())))
             with held_params(run) as current:
                 trace.grads.append(snapshot(run, {n: p.grad for n, p in current.items()}))
