@@ -78,6 +78,21 @@ def test_nothing_in_the_library_imports_the_suite():
     assert not offenders, offenders
 
 
+EXTRAS = {"transformers", "torchtitan"}  # the libraries users bring (pyproject's optional dependencies)
+
+
+def test_the_library_never_imports_an_optional_extra():
+    """A user's model module imports transformers; tpdp-verify only runs it (tpdp_verify.styles
+    maps transformers' style strings without importing it)."""
+    seen = {name: {a.name.split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+                   for a in (node.names if isinstance(node, ast.Import) else [])}
+            | {(node.module or "").split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ImportFrom)} for name, path in MODULES.items()}
+    assert "torch" in seen["tpdp_verify.ranks.loop"]  # the walk sees imports
+    offenders = sorted(f"{m} imports {x}" for m, names in seen.items() for x in names & EXTRAS)
+    assert not offenders, offenders
+
+
 def test_no_import_cycle():
     cycles, state = [], {}
 

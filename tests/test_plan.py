@@ -57,6 +57,19 @@ def test_wildcard_keys_a_plan_function_targets_and_adam(pool):
     assert verify(um.plan_of_mesh, pool=pool, steps=1).ok
 
 
+def test_outputs_of_any_pytree_shape_and_inputs_by_keyword(pool):
+    """Each tensor leaf with the batch's rows is compared under its path; the rest are named
+    as not compared, with why. The batch's keys the forward names are its keyword arguments."""
+    report = verify(model_fn=um.make_outputs, input_fn=um.keyword_vectors, pool=pool, steps=2)
+    assert report.ok, str(report)
+    outputs = sorted({r.name for r in report.one_device.rows if r.what == "output"})
+    assert outputs == ["aux[0]", "logits"]
+    assert report.one_device.unread == ["aux[1] (shape []: no dim 0 of the batch's 2 rows to put together)",
+                                        "steps (a int, not a tensor)"]
+    broken = verify(um.LOCAL_HEAD, model_fn=um.make_outputs, input_fn=um.keyword_vectors, pool=pool, steps=1)
+    assert "output shape: step 1: logits: shape (2, 4), oracle (2, 8)" in str(broken), str(broken)
+
+
 def test_a_swapped_plan_is_reported_at_its_module(pool):
     report = verify(um.SWAPPED, pool=pool, steps=1)
     assert not report.ok

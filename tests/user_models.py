@@ -37,6 +37,22 @@ def make_mlp():
     return MLP()
 
 
+class Outputs(MLP):
+    """An MLP returning a pytree, its input by keyword: what a transformers-style model does."""
+
+    def forward(self, x, scale=None):
+        out = self.down(self.act(self.up(x))) * scale
+        return {"logits": out, "aux": (out.sum(-1), out.mean()), "steps": 1}
+
+
+def make_outputs():
+    return Outputs()
+
+
+def keyword_vectors(n, generator):
+    return {"x": torch.randn(n, 8, generator=generator), "scale": torch.rand(n, 1, generator=generator) + 0.5}
+
+
 def make_blocks():
     return Blocks()
 

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("model", metavar="MODULE:FACTORY", help="model_fn(): the unsharded model")
     tp = plan.add_mutually_exclusive_group(required=True)
     tp.add_argument("--plan", metavar="MODULE:PLAN",
-                    help="a dict for parallelize_module, or a function tp_mesh -> dict")
+                    help="a dict for parallelize_module (ParallelStyles, or transformers' style strings), a "
+                    "function tp_mesh -> dict, or auto: the model's own tp_plan (transformers')")
     tp.add_argument("--parallelize", metavar="MODULE:FN",
                     help="your own parallelize_fn(model, mesh) -> model: applies TP (and any fix-up) to "
                     "mesh['tp'] of the (dp, tp) mesh; tpdp-verify still wraps DP per --dp, unless --dp own says "
@@ -254,15 +255,18 @@ def _plan(args: argparse.Namespace) -> int:
     from tpdp_verify import outputs
     from tpdp_verify.ranks import pool
 
-    pool.warm_up()  # the ranks' torch imports while this process imports its own
+    given = {"plan": args.plan, "parallelize": args.parallelize, "input": args.input, "loss": args.loss,
+             "optimizer": args.optimizer}
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does; the ranks and their fork server inherit it
+    # the ranks' imports (torch, the user's modules) while this process imports its own
+    pool.warm_up(tuple(v.partition(":")[0] for v in (args.model, *given.values()) if v and ":" in v))
     started, start = outputs.now(), time.monotonic()
     from tpdp_verify.plan import verify_plan
 
     model_fn = _named(args.model, "the model")
     logs = _quiet(args)
-    named = {k: _named(v, f"--{k}") if v else None for k, v in
-             (("plan", args.plan), ("parallelize", args.parallelize), ("input", args.input), ("loss", args.loss),
-              ("optimizer", args.optimizer))}
+    named = {k: v if (k, v) == ("plan", "auto") else _named(v, f"--{k}") if v else None for k, v in given.items()}
     report = verify_plan(model_fn, named["plan"], parallelize_fn=named["parallelize"], mesh=args.mesh,
                          input_fn=named["input"],
                          loss_fn=named["loss"], optimizer_fn=named["optimizer"], steps=args.steps, dp=args.dp,

@@ -447,6 +447,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     if owned and world > cpus:
         warnings.warn(f"mesh {tuple(mesh)} needs {world} ranks and this machine has {cpus} CPUs: the ranks "
                       "time-share them, so the run takes longer (the verdict is the same)", stacklevel=2)
+    if owned:  # the ranks' fork server imports the user's modules (transformers, say) once, for all
+        from tpdp_verify.ranks.pool import warm_up
+
+        warm_up(tuple(dict.fromkeys(fn.__module__ for fn in (model_fn, input_fn, loss_fn, optimizer_fn, parallelize_fn)
+                                    if fn is not None and fn.__module__ not in ("__main__", "__mp_main__"))))
     pool = RankPool(world, backend, timeout=timeout, output=rank_output) if owned else pool
     keys, entry = 0, case.entry
     try:

@@ -81,10 +81,15 @@ def _context():
     return ctx
 
 
-def warm_up() -> None:
-    """Start the fork server now, so its imports overlap the caller's (the CLI's torch)."""
+def warm_up(modules: tuple[str, ...] = ()) -> None:
+    """Start the fork server now, so its imports overlap the caller's (the CLI's torch);
+    ``modules`` too (a user's model module, which may import transformers), if it is not
+    running yet. A module that fails to import there is imported by each rank as usual."""
     if not _under_launcher():
-        _start_server(_context())
+        ctx = _context()
+        if ctx.get_start_method() == "forkserver":
+            ctx.set_forkserver_preload(PRELOAD + [m for m in modules if m not in PRELOAD])
+        _start_server(ctx)
 
 
 def _start_server(ctx) -> None:
