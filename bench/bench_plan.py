@@ -9,7 +9,11 @@ any rank starts. The verdict is timed again with ranks spawned afresh
 (TPDP_VERIFY_START_METHOD=spawn) to measure what forking them from a server that imported
 torch once saves.
 
-Targets (issue 15): a verdict within 10 s, a typo within 5 s; medians of N runs.
+Where transformers is installed (the hf extra), the tiny transformers Llama of
+tests/hf_models.py is timed too, with its own plan (--plan auto) under fsdp2.
+
+Targets: a verdict within 10 s, a typo within 5 s (issue 15); the transformers Llama's
+verdict within 20 s (issue 17); medians of N runs.
 Exits 0 whatever the times are; exits 1 if a run does not end as it must (exit 0 for the
 verdicts, 2 for the typo), so a broken run can never be what got timed.
 """
@@ -17,6 +21,7 @@ verdicts, 2 for the typo), so a broken run can never be what got timed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -27,6 +32,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 CLI = [str(Path(sys.executable).parent / "tpdp-verify"), "plan", "newcomer:make", "--input", "newcomer:tokens",
        "--mesh", "2x2"]
+HF = ["plan", "hf_models:make_llama", "--plan", "auto", "--input", "hf_models:tokens", "--loss",
+      "hf_models:model_loss", "--dp", "fsdp2", "--mesh", "2x2"]
 RUNS = {  # name -> (arguments, environment, exit code it must end with)
     "verdict, fsdp2": (["--plan", "newcomer:PLAN", "--dp", "fsdp2"], {}, 0),
     "verdict, ddp + baseline": (["--plan", "newcomer:PLAN", "--dp", "ddp", "--baseline", "torch-2.13.0"], {}, 0),
@@ -37,10 +44,11 @@ RUNS = {  # name -> (arguments, environment, exit code it must end with)
 
 
 def timed(args: list[str], env: dict, code: int) -> float:
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-               **env}
+    path = [str(HERE), str(HERE.parent / "tests"), os.environ.get("PYTHONPATH")]
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), **env}
+    command = CLI[:1] + args if args[0] == "plan" else CLI + args
     start = time.perf_counter()
-    done = subprocess.run(CLI + args, capture_output=True, text=True, env=environ, cwd=HERE, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, env=environ, cwd=HERE, timeout=300)
     took = time.perf_counter() - start
     if done.returncode != code:
         sys.exit(f"bench_plan: {' '.join(args)} exited {done.returncode}, not {code}:\n{done.stdout}{done.stderr}")
@@ -52,14 +60,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     n = parser.parse_args().repeat
     print(f"tpdp-verify plan, cold, newcomer's model on a 2x2 mesh; {os.cpu_count()} CPUs; median of {n}")
-    medians = {}
-    for name, (args, env, code) in RUNS.items():
+    medians, runs = {}, dict(RUNS)
+    if importlib.util.find_spec("transformers") is not None:
+        runs["transformers Llama, fsdp2"] = (HF, {}, 0)
+    for name, (args, env, code) in runs.items():
         times = [timed(args, env, code) for _ in range(n)]
         medians[name] = statistics.median(times)
         print(f"  {name:<32}{medians[name]:6.2f} s   (runs: {', '.join(f'{t:.2f}' for t in times)})")
     verdict = max(medians["verdict, fsdp2"], medians["verdict, ddp + baseline"])
     print(f"verdict / 10 s target: {verdict / 10:.2f}   typo / 5 s target: {medians['typo'] / 5:.2f}   "
-          f"forked / spawned ranks: {medians['verdict, fsdp2'] / medians['verdict, fsdp2, spawned ranks']:.2f}")
+          f"forked / spawned ranks: {medians['verdict, fsdp2'] / medians['verdict, fsdp2, spawned ranks']:.2f}"
+          + (f"   transformers Llama / 20 s target: {medians['transformers Llama, fsdp2'] / 20:.2f}"
+             if "transformers Llama, fsdp2" in medians else ""))
 
 
 if __name__ == "__main__":
