@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.errors import UsageError
 from tpdp_verify.ranks.loop import Run, Trace, build, make_optimizer, train
 
 
@@ -27,6 +28,10 @@ def run(case: TrainCase, dtype: torch.dtype | None = None, capture: bool = False
     handles = dict(model.named_parameters(remove_duplicate=False))
     trace = train(case, Run(model, model, slice(None), handles=handles),
                   lambda: make_optimizer(case, model.parameters()), capture, dtype)
+    if trace.error and case.user is not None:  # a user's model that cannot train unsharded: theirs to fix
+        precision = " in float64 (the exact run every bound is measured against)" if dtype == torch.float64 else ""
+        raise UsageError(f"the model does not train on one device{precision}: {trace.error.splitlines()[0]}; "
+                         "tpdp-verify compares the sharded run with that one, so make it train unsharded first")
     if trace.error:  # the oracle is the fixed point: if it cannot train, the case is ours to fix
         raise RuntimeError(f"the single-device oracle failed on {case!r}: {trace.error}")
     return trace

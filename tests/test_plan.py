@@ -298,6 +298,15 @@ def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
     assert expected in one_line(excinfo)
 
 
+def test_a_model_that_cannot_train_unsharded_is_one_line(pool):
+    """The one-device runs are the fixed point; a model that cannot train there (here: a
+    float32 constant in its forward, which the float64 run meets) is the user's to fix."""
+    with pytest.raises(UsageError) as excinfo:
+        verify(model_fn=um.make_float32_only, pool=pool, steps=1)
+    assert one_line(excinfo).startswith("the model does not train on one device in float64 (the exact run every "
+                                        "bound is measured against): in the forward of <the whole model>: ")
+
+
 def test_hypothesis_prints_a_user_case_without_the_user_model():
     from hypothesis.vendor.pretty import pretty
 

@@ -216,3 +216,14 @@ def tied_plan_without_retie(tp_mesh):
     from tpdp_verify.fixtures import plans
 
     return plans.tied()
+
+
+class Float32Only(MLP):
+    """Trains in float32; its forward casts to float32 by hand, which the float64 run cannot take."""
+
+    def forward(self, x):
+        return super().forward(x) @ torch.eye(8)
+
+
+def make_float32_only():
+    return Float32Only()
