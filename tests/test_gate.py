@@ -54,3 +54,30 @@ def test_what_the_ranks_print_is_kept_with_the_search_it_came_from(tmp_path):
     assert all(p.read_bytes() == b"" for p in tmp_path.glob("world2-rank*.log"))  # moved, not copied
     assert f"what the ranks printed during this search (-v shows it as it comes): {loud.rank_output}" \
         in summary(outcomes, profile, "reference", 1.0)
+
+
+def test_a_keyword_a_new_torch_adds_to_an_entry_point_is_listed(monkeypatch):
+    """The gate reads the entry points' signatures: a keyword no case sets shows at once."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tpdp_verify.runner import coverage
+
+    def init(self, module, process_group=None, device_mesh=None, static_graph=False, new_knob=None):
+        pass
+
+    monkeypatch.setattr(DistributedDataParallel, "__init__", init)
+    missing = coverage.unexercised()
+    assert missing["DistributedDataParallel"] == ["new_knob"]
+    assert "DistributedDataParallel: new_knob;" in coverage.summary_line(missing)
+    assert coverage.record(missing)["DistributedDataParallel"] == {"new_knob": ""}
+
+
+def test_torch_2_13s_unset_keywords_are_each_listed_or_explained():
+    from tpdp_verify.runner import coverage
+
+    missing = coverage.unexercised()
+    assert set(missing) == set(coverage.ENTRY_POINTS)  # torch 2.13 has every entry point
+    assert {"bucket_cap_mb", "static_graph", "device_mesh", "forward_sync_buffers"}.isdisjoint(
+        missing["DistributedDataParallel"])  # what cases set is not listed
+    assert "(device_ids)" in coverage.summary_line(missing)  # not set on purpose, with a reason in the JSON
+    assert coverage.record(missing)["DistributedDataParallel"]["device_ids"].startswith("a CUDA module")

@@ -83,6 +83,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
     """
     import torch
 
+    from tpdp_verify.runner import coverage
     from tpdp_verify.runner.gate import outcome_report
 
     return {
@@ -98,6 +99,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "seed": seed,
         "backend": backend,
         "world_sizes": list(profile.world_sizes),
+        "unexercised_keywords": coverage.record(coverage.unexercised()),
         "started": started,
         "seconds": round(seconds, 3),
         "exit_code": exit_code,

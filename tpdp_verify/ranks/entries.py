@@ -160,6 +160,22 @@ def hidden_layouts(inner: nn.Module, case: TrainCase, mesh) -> dict:
     return layouts
 
 
+# The keywords of torch's entry points (tpdp_verify.runner.coverage's names) that the
+# wrappers above set, fixed or drawn; the gate lists the rest.
+def _ddp_keywords() -> set[str]:
+    from tpdp_verify.cases.training import DDPOptions
+
+    return set(DDPOptions(bucket_cap_mb=1.0).kwargs())
+
+
+SETS = {
+    "DistributedDataParallel": {"device_mesh", "process_group", *_ddp_keywords()},
+    "replicate": {"device_mesh", *_ddp_keywords()},  # passed on to DDP through its **kwargs
+    "fully_shard": {"mesh"},
+    "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id"},
+}
+
+
 WRAP = {
     "ddp_mesh": wrap_ddp_mesh,
     "transform_ddp": wrap_transform_ddp,

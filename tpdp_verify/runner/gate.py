@@ -25,6 +25,7 @@ from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
 from tpdp_verify.impls import select as impl_mod
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+from tpdp_verify.runner import coverage
 from tpdp_verify.runner.profiles import Profile
 from tpdp_verify.runner.property import Property, Stats, finding
 
@@ -302,6 +303,7 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    f"{len(unshrunk)} later searches reported their failures as first found: "
                    + ", ".join(f"{o.property} (world {o.world_size})" for o in unshrunk))
     out += list(excluded)
+    out.append(coverage.summary_line(coverage.unexercised()))
     for o in outcomes:
         if o.status != "pass":
             out += ["", outcome_report(o)]

@@ -1,0 +1,72 @@
+"""Which keywords of the installed torch's DP entry points no case sets: what a release
+engineer running the gate on a newer torch must know the gate did not exercise.
+
+Read from the signatures themselves (``inspect.signature``), so a keyword a new torch adds
+shows here the first time the gate runs on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from tpdp_verify.ranks.entries import SETS
+
+# The entry point (as the report names it) -> where its callable lives.
+ENTRY_POINTS = {
+    "DistributedDataParallel": ("torch.nn.parallel", "DistributedDataParallel.__init__"),
+    "replicate": ("torch.distributed._composable.replicate", "replicate"),
+    "replicate (FSDP2-based)": ("torch.distributed._composable.replicate_with_fsdp", "replicate"),
+    "fully_shard": ("torch.distributed.fsdp", "fully_shard"),
+    "FullyShardedDataParallel": ("torch.distributed.fsdp", "FullyShardedDataParallel.__init__"),
+}
+_NOT_KEYWORDS = ("self", "module")
+
+
+def keywords(where: tuple[str, str]) -> list[str] | None:
+    """The keyword parameters of the callable at ``where``, or None where this torch has none."""
+    module, qualname = where
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    params = inspect.signature(obj).parameters.values()
+    return [p.name for p in params if p.name not in _NOT_KEYWORDS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+# Keywords no case sets on purpose, and why; listed with the reason, not as news.
+REASONS = {
+    "device_ids": "a CUDA module on one device; the CPU ranks take none, NCCL ranks set the device instead",
+    "output_device": "with device_ids only",
+    "dim": "the dimension DP splits the batch on; every case splits dim 0",
+    "broadcast_buffers": "torch 2.13's deprecated name of forward_sync_buffers, which cases set",
+    "check_reduction": "deprecated: does nothing",
+}
+
+
+def unexercised() -> dict[str, list[str]]:
+    """Entry point -> its keywords that no case sets, for each this torch has; an entry point
+    no case reaches lists every keyword."""
+    out = {}
+    for name, where in ENTRY_POINTS.items():
+        found = keywords(where)
+        if found is not None:
+            out[name] = [k for k in found if k not in SETS.get(name, ())]
+    return out
+
+
+def summary_line(missing: dict[str, list[str]]) -> str:
+    """One line: each entry point's unset keywords, those not set on purpose in parentheses."""
+    def named(ks: list[str]) -> str:
+        return ", ".join([k for k in ks if k not in REASONS] + [f"({k})" for k in ks if k in REASONS])
+
+    listed = "; ".join(f"{name}: {named(ks)}" for name, ks in missing.items() if ks)
+    return (f"keywords of this torch's DP entry points that no case sets: {listed or 'none'}"
+            + (" (in parentheses: not set on purpose, the JSON says why)" if listed else ""))
+
+
+def record(missing: dict[str, list[str]]) -> dict:
+    """For the JSON: entry point -> keyword -> why it is not set ("" where no case reaches it yet)."""
+    return {name: {k: REASONS.get(k, "") for k in ks} for name, ks in missing.items()}
