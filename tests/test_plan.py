@@ -125,7 +125,7 @@ def test_a_parallelize_function_that_wraps_dp_itself_is_driven_as_it_wraps():
                      mesh=(2, 2), steps=1, pool=four, impl="torch", baseline="torch-2.13.0")
     assert fsdp.status == "PASS", str(fsdp)
     lines = {x.check: x for x in fsdp.lines}
-    assert lines["plan keys resolve"].detail == "parallelize_fn made 12 parameters DTensors and wrapped DP itself " \
+    assert lines["plan keys resolve"].detail == "parallelize_fn sharded 12 parameters by TP and wrapped DP itself " \
         "(fully_shard)"
     assert lines["gradients vs one device"].compared > 0 and lines["DP replicas equal"].compared > 0
     skipped = [c for c in json.loads(fsdp.to_json())["checks"] if c["check"].endswith("vs plain DDP")]

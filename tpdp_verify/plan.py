@@ -290,8 +290,9 @@ def tp_sharded(model: nn.Module, shapes: dict) -> list[str]:
     shards a DDP-style wrapper keeps in their place (of another shape than ``shapes`` gives,
     or carrying the transform's record of their DTensor)."""
     from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
 
-    inner = getattr(model, "module", model)
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
     return [n for n, p in inner.named_parameters(remove_duplicate=False)
             if ("tp" in (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else
                 hasattr(p, "_st_info") or p.shape != shapes.get(n, p.shape))]
@@ -465,8 +466,8 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
             pool.close()
     if case.entry == "own":
         known = _known_faults(baseline, entry) if baseline else {}
-    detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" + (
-        f" and wrapped DP itself ({entry})" if case.entry == "own" else "")
+    detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
+        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({entry})"
     return Report.of(case, keys, one, plain, replay or _replay(case, impl, plan, baseline), detail,
                      baseline or "", known, OWN_DP if case.entry == "own" else "")
 
