@@ -191,6 +191,14 @@ def test_a_wrong_parallelize_function_is_reported_at_its_module(pool):
     (dict(parallelize_fn=um.parallelize_swapped, dp="own"), "parallelize_fn user_models:parallelize_swapped "
      "applied no DP, and dp='own' says it does"),
     (dict(plan=um.PLAN, dp="own"), "dp='own' means your parallelize_fn wraps DP itself"),
+    # meshes crossed, which torch accepts without a word
+    (dict(parallelize_fn=um.parallelize_with_ddp_over_tp, dp="own"), "parallelize_fn "
+     "user_models:parallelize_with_ddp_over_tp wraps DP (ddp_mesh) over ranks [0, 1] (mesh['tp']'s), not "
+     "mesh['dp']'s [0] (on this rank): its replicas would average different TP shards; give the wrapper mesh['dp']"),
+    (dict(parallelize_fn=um.parallelize_tp_over_dp), "parallelize_fn user_models:parallelize_tp_over_dp applies TP "
+     "to up.weight over mesh ('dp',), not mesh['tp']"),
+    (dict(parallelize_fn=um.parallelize_with_fsdp_over_tp, dp="own"), "parallelize_fn "
+     "user_models:parallelize_with_fsdp_over_tp raised RuntimeError: Cannot concatenate overlapping meshes"),
 ])
 def test_parallelize_function_mistakes_are_one_line(pool, kwargs, expected):
     with pytest.raises(UsageError, match=re.escape(expected)):

@@ -227,3 +227,26 @@ class Float32Only(MLP):
 
 def make_float32_only():
     return Float32Only()
+
+
+def parallelize_with_ddp_over_tp(model, mesh):
+    """A wiring mistake: TP on mesh['tp'], then DDP over mesh['tp'] as well."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(parallelize_module(model, mesh["tp"], PLAN), device_mesh=mesh["tp"])
+
+
+def parallelize_with_fsdp_over_tp(model, mesh):
+    """A wiring mistake: TP on mesh['tp'], then fully_shard over mesh['tp'] as well."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return fully_shard(parallelize_module(model, mesh["tp"], PLAN), mesh=mesh["tp"])
+
+
+def parallelize_tp_over_dp(model, mesh):
+    """A wiring mistake: TP over mesh['dp']."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, mesh["dp"], PLAN)

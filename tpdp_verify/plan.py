@@ -279,10 +279,52 @@ def _parallelize_problems(parallelize_fn, model: nn.Module, mesh, own_dp: bool) 
     if not own_dp and entry is not None:
         return [f"parallelize_fn {name} wrapped the model in DP ({entry}) itself: pass dp='own', so that "
                 "tpdp-verify drives your wrapper instead of wrapping it again"]
+    wiring = _wiring_problems(out, mesh, name, entry)
+    if wiring:
+        return wiring
     if not tp_sharded(out, shapes):
         return [f"parallelize_fn {name} left every parameter a plain tensor: apply TP to the tp dimension of "
                 "the mesh it is given (parallelize_module(model, mesh['tp'], plan))"]
     return []
+
+
+def _wiring_problems(model: nn.Module, mesh, name: str, entry: str | None) -> list[str]:
+    """Meshes a parallelize function can get crossed, which torch accepts silently: TP over
+    the dp dimension, and DP reducing over another group than mesh['dp']'s (its replicas
+    would average different TP shards)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if entry not in ("fully_shard", "fsdp1"):  # FSDP's own DTensors live on the dp mesh by design
+        inner = model.module if entry in ("ddp_mesh", "transform_ddp") else model
+        for pname, p in inner.named_parameters():
+            spec = p._spec if isinstance(p, DTensor) else getattr(p, "_st_info", None)
+            if spec is not None and "tp" not in (spec.mesh.mesh_dim_names or ()):
+                return [f"parallelize_fn {name} applies TP to {pname} over mesh {spec.mesh.mesh_dim_names}, not "
+                        "mesh['tp']: TP shards over the tp dimension, DP replicates over the dp one"]
+    group = _dp_group(model, entry)
+    if group is None:
+        return []
+    ranks, want = dist.get_process_group_ranks(group), dist.get_process_group_ranks(mesh["dp"].get_group())
+    if ranks != want:
+        named = next((f" (mesh[{d!r}]'s)" for d in mesh.mesh_dim_names
+                      if dist.get_process_group_ranks(mesh[d].get_group()) == ranks), "")
+        return [f"parallelize_fn {name} wraps DP ({entry}) over ranks {ranks}{named}, not mesh['dp']'s {want} "
+                "(on this rank): its replicas would average different TP shards; give the wrapper mesh['dp']"]
+    return []
+
+
+def _dp_group(model: nn.Module, entry: str | None):
+    """The process group a user's DP wrapper reduces over, where it says (None where not)."""
+    from torch.distributed._composable.replicate import replicate
+
+    if entry in ("ddp_mesh", "transform_ddp", "fsdp1"):
+        return model.process_group
+    if entry == "replicate":
+        kwargs = getattr(replicate.state(model), "_init_kwargs", {})
+        mesh = kwargs.get("device_mesh")
+        return mesh.get_group() if mesh is not None else kwargs.get("process_group")
+    return None
 
 
 def tp_sharded(model: nn.Module, shapes: dict) -> list[str]:
