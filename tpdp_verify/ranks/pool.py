@@ -100,7 +100,11 @@ def _start_server(ctx) -> None:
 
     if ctx.get_start_method() != "forkserver" or forkserver._forkserver._forkserver_pid is not None:
         return
-    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    try:
+        saved = [os.dup(fd) for fd in (0, 1, 2)]
+    except OSError:  # a process without all three (a daemon): the server gets what there is
+        forkserver.ensure_running()
+        return
     null = os.open(os.devnull, os.O_RDWR)
     try:
         for fd in (0, 1, 2):
@@ -125,6 +129,8 @@ class _Stdio:
     @staticmethod
     def received(out, err) -> tuple[int, int]:
         return out.detach(), err.detach()
+
+
 _CAUGHT = ""  # what the current call caught and returns in its result (see caught)
 CAUGHT_PART = "signature part: "  # how a caught exception's signature part travels in its text
 
