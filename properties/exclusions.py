@@ -16,7 +16,9 @@ Not listed: a split of one space between two properties that run the same checks
 
 from __future__ import annotations
 
-from tpdp_verify.cases.training import DDP_ENTRIES, empty_shard
+import functools
+
+from tpdp_verify.cases.training import DDP_ENTRIES, FSDP2_ENTRIES, DDPOptions, FSDP2Options, Habits, empty_shard
 from tpdp_verify.runner.suite import Exclusion
 
 # --------------------------------------------------------------------------- the data
@@ -28,8 +30,9 @@ def empty_width(size, tp: int) -> bool:
 
 
 # (entry, when the optimizer is built) pairs an entry point's own contract rules out.
-FSDP_BEFORE_WRAP = frozenset({("fsdp1", "before_wrap"), ("fully_shard", "before_wrap")})
-FSDP2_AFTER_FORWARD = frozenset({("fully_shard", "after_forward")})
+FSDP_BEFORE_WRAP = frozenset({("fsdp1", "before_wrap"), ("fully_shard", "before_wrap"),
+                              ("replicate_fsdp", "before_wrap")})
+FSDP2_AFTER_FORWARD = frozenset({("fully_shard", "after_forward"), ("replicate_fsdp", "after_forward")})
 OUTSIDE_CONTRACT = FSDP_BEFORE_WRAP | FSDP2_AFTER_FORWARD
 
 
@@ -37,6 +40,48 @@ def needs_find_unused(model: str, static_graph: bool) -> bool:
     """DDP's contract: a parameter that gets no gradient (the ``unused`` model's spare
     branch) needs find_unused_parameters or a static graph."""
     return model == "unused" and not static_graph
+
+
+# DDP's built-in comm hooks that run on gloo: bf16_compress_hook raises on the CPU ("requires
+# CUDA 11+ and NCCL 2.10+"), and DDP's own _MixedPrecision needs CUDA events, with or without
+# TP; neither is drawn (tpdp_verify.runner.coverage lists mixed_precision with that reason).
+CPU_COMM_HOOKS = ("allreduce", "fp16_compress")
+
+
+@functools.cache
+def can_ignore(model: str) -> bool:
+    """Whether the zoo model has a module a DP entry point can be told to ignore (frozen)
+    while its loss still has a gradient (tpdp_verify.ranks.loop.ignorable; the unused
+    model's spare branch would be all that is left, and it gets none)."""
+    import torch
+
+    from tpdp_verify.cases.training import Size
+    from tpdp_verify.fixtures.zoo import ZOO
+    from tpdp_verify.ranks.loop import forward, ignorable
+
+    fx = ZOO[model]
+    net = fx.build(Size())
+    part = ignorable(net)
+    if part is None:
+        return False
+    part.requires_grad_(False)
+    batch = fx.batch(torch.Generator().manual_seed(0), 2, Size())
+    return fx.per_sample_loss(forward(net, net, batch), batch).requires_grad
+
+
+def rounds_to_half(case) -> bool:
+    """An option that rounds gradients or parameters to half precision by design."""
+    return ((case.entry in DDP_ENTRIES and case.ddp.wire_dtype is not None)
+            or (case.entry in FSDP2_ENTRIES and case.fsdp.wire_dtype is not None))
+
+
+def extended(case) -> bool:
+    """The case sets a newer option of its entry point (beyond the first five DDP
+    keywords) or a training habit."""
+    first = DDPOptions(**{k: getattr(case.ddp, k) for k in ("bucket_cap_mb", "gradient_as_bucket_view",
+                                                            "static_graph", "find_unused_parameters",
+                                                            "sync_buffers")})
+    return case.ddp != first or case.fsdp != FSDP2Options() or case.habits != Habits()
 
 
 # The zoo models whose vocab TP shards (an embedding, a vocab-sharded head).
@@ -76,15 +121,17 @@ FSDP_CHECKPOINTS = ("state_dict_like_unsharded", "checkpoint_resumes", "entry_po
 
 FSDP_OPTIMIZER_BEFORE_WRAP = Exclusion(
     "fsdp_optimizer_before_wrap", TRAINING,
-    "an optimizer built before FSDP1 or FSDP2 wraps: both replace the parameters when they wrap, "
-    "and both versions' docs say to build the optimizer after wrapping (with or without TP)",
+    "an optimizer built before FSDP1 or FSDP2 (fully_shard or its replicate) wraps: both replace "
+    "the parameters when they wrap, and both versions' docs say to build the optimizer after "
+    "wrapping (with or without TP)",
     "docs/properties.md#trains_like_one_device",
     lambda case: (case.entry, case.built) in FSDP_BEFORE_WRAP)
 
 FSDP2_OPTIMIZER_AFTER_FORWARD = Exclusion(
     "fsdp2_optimizer_after_forward", TRAINING,
-    "an optimizer built after a first forward through FSDP2: the root keeps its parameters "
-    "unsharded after a forward, so the optimizer would hold those; plain FSDP2 does the same",
+    "an optimizer built after a first forward through FSDP2 (fully_shard or its replicate): the "
+    "root keeps its parameters unsharded after a forward, so the optimizer would hold those and "
+    "never move the sharded ones; plain FSDP2 does the same",
     "docs/properties.md#trains_like_one_device",
     lambda case: (case.entry, case.built) in FSDP2_AFTER_FORWARD)
 
@@ -158,6 +205,23 @@ FSDP1_CHECKPOINT_UNEVEN = Exclusion(
     "docs/properties.md#checkpoints",
     lambda case: case.entry == "fsdp1" and uneven(case))
 
+HALF_AGAINST_ONE_DEVICE = Exclusion(
+    "half_precision_against_one_device", ("trains_like_one_device", "entry_points_train_like_one_device"),
+    "options that round to half precision by design (DDP's fp16 compression hook, FSDP2's "
+    "MixedPrecisionPolicy) against one device in full precision: no bound derives from a run "
+    "without them; trains_like_plain_ddp judges them against the same option without TP",
+    "docs/tolerance.md#options-that-round-to-half-precision",
+    rounds_to_half)
+
+CHECKPOINT_OPTIONS = Exclusion(
+    "checkpoint_options_and_habits", CHECKPOINTS,
+    "checkpoints with the entry points' newer options or training habits set (comm hooks, "
+    "bucket lists, init_sync, FSDP2's mixed precision and resharding, clipping, activation "
+    "checkpointing, ignored modules): what they change is training's, which the training "
+    "properties search; a checkpoint holds the state they produce either way",
+    "docs/properties.md#checkpoints",
+    extended)
+
 TREES_WITHOUT_PARAMETERS = Exclusion(
     "trees_without_parameters", ("paths_resolve", "ignored_params_untouched"),
     "module trees with no parameter: no name to resolve, no slot to replace and nothing to "
@@ -176,7 +240,8 @@ EXCLUSIONS = (
     FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
     FSDP_EMPTY_SHARD, VOCAB_EMPTY_SHARD, CHECKPOINT_OPTIMIZER_TIMING, CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE, FSDP1_CHECKPOINT_MODELS,
-    FSDP1_CHECKPOINT_UNEVEN, TREES_WITHOUT_PARAMETERS, CHUNK_TENSOR_HSDP,
+    FSDP1_CHECKPOINT_UNEVEN, TREES_WITHOUT_PARAMETERS, CHUNK_TENSOR_HSDP, HALF_AGAINST_ONE_DEVICE,
+    CHECKPOINT_OPTIONS,
 )
 
 # What checkpoint_cases keeps of FSDP1: training works, so there is something to checkpoint.

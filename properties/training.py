@@ -8,6 +8,7 @@ what training should have produced.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -18,22 +19,40 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from tpdp_verify.cases.training import (
+    BETWEEN,
     BUILT,
     DDP_ENTRIES,
     ENTRIES,
+    FSDP2_ENTRIES,
+    HALF,
     OPTIMIZERS,
     TRAIN_DTYPES,
     DDPOptions,
+    FSDP2Options,
+    Habits,
     Size,
     TrainCase,
+    ddp_keywords,
 )
 from tpdp_verify.fixtures.zoo import ZOO
 from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
-from tpdp_verify.properties.exclusions import OUTSIDE_CONTRACT, empty_width, needs_find_unused
+from tpdp_verify.properties.exclusions import (
+    CPU_COMM_HOOKS,
+    OUTSIDE_CONTRACT,
+    can_ignore,
+    empty_width,
+    needs_find_unused,
+)
 from tpdp_verify.runner.property import tpdp_property, worth_explaining
 
 # 1e-6 MB is a few bytes: every gradient gets a bucket of its own, the most buckets DDP makes.
 BUCKET_CAPS = (None, 1e-6, 1e-4)
+# bucket_cap_mb_list: a cap per bucket, the last repeated; a first bucket of a few bytes
+# then larger ones, and the reverse.
+BUCKET_CAP_LISTS = (None, (1e-6, 1e-4), (1e-4, 1e-6))
+# clip_grad_norm_'s max_norm: below every drawn model's gradient norm (always clips) and
+# above it (computes the norm, leaves the gradients)
+CLIPS = (None, 1e-2, 1e3)
 
 
 def meshes(world_size: int) -> list[tuple[int, int]]:
@@ -54,13 +73,23 @@ def meshes(world_size: int) -> list[tuple[int, int]]:
 # entry_points_train_like_one_device's: replicate with a mesh never trains; an optimizer
 # built before wrapping holds the DTensors the transform swapped out; DDP's static graph
 # with no_sync crashes without TP too; FSDP1 departs in several ways of its own making.
-SOUND_TRAINING = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard"), built=("after_wrap", "after_forward"),
-             static_graph=(False,))
+SOUND_TRAINING = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard", "replicate_fsdp"),
+                      built=("after_wrap", "after_forward"), static_graph=(False,), sound_only=True)
 
 
 def sound(case: TrainCase) -> bool:
     return (case.entry in SOUND_TRAINING["entries"] and case.built in SOUND_TRAINING["built"]
-            and case.ddp.static_graph in SOUND_TRAINING["static_graph"])
+            and case.ddp.static_graph in SOUND_TRAINING["static_graph"] and sound_habits(case.entry, case.habits))
+
+
+# Habits that depart with the reference transform as with torch's, so they are the
+# entry_points_ property's to search (docs/properties.md, "Training habits"):
+# clip_grad_norm_ over the model's parameters sees the local shards DDP holds, or, under
+# FSDP2, DTensors on two meshes (a plan that leaves some parameter unsharded by TP);
+# activation checkpointing under DDP recomputes a block after the transform made its
+# parameters local shards.
+def sound_habits(entry: str, habits: Habits) -> bool:
+    return habits.clip is None and not (habits.checkpoint and entry in DDP_ENTRIES)
 
 
 def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
@@ -68,17 +97,49 @@ def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
 
 
 @st.composite
-def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)) -> DDPOptions:
+def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True), options: bool = True,
+                half: bool = False) -> DDPOptions:
+    """DDP's keywords; with ``options``, those this torch's DDP takes beyond the first five
+    and a built-in comm hook; with ``half``, the hook that compresses to float16 too (the
+    exclusion half_precision_against_one_device)."""
     static = draw(st.sampled_from(static_graph))
     # The exclusion ddp_unused_without_find_unused (DDP's own contract).
     unused = draw(st.booleans()) or needs_find_unused(model, static)
-    return DDPOptions(
+    base = DDPOptions(
         bucket_cap_mb=draw(st.sampled_from(BUCKET_CAPS)),
         gradient_as_bucket_view=draw(st.booleans()),
         static_graph=static,
         find_unused_parameters=unused,
         sync_buffers=draw(st.booleans()),
     )
+    if not options:
+        return base
+    takes = ddp_keywords()
+    newer = {"init_sync": st.booleans(), "skip_all_reduce_unused_params": st.booleans(),
+             "bucket_cap_mb_list": st.sampled_from(BUCKET_CAP_LISTS), "batched_grad_copy": st.booleans()}
+    hooks = tuple(h for h in CPU_COMM_HOOKS if half or h != "fp16_compress")
+    hook = draw(st.sampled_from(hooks)) if draw(st.booleans()) else None  # two draws: no value in a list's middle
+    return dataclasses.replace(base, comm_hook=hook,
+                               **{k: draw(v) for k, v in newer.items() if k in takes})
+
+
+@st.composite
+def fsdp2_options(draw, half: bool = False) -> FSDP2Options:
+    """With ``half`` (trains_like_plain_ddp), mixed precision in either half dtype (two
+    draws: hypothesis favours the ends of a list, and would rarely pick its middle)."""
+    return FSDP2Options(reshard_after_forward=draw(st.booleans()),
+                        mixed_precision=draw(st.sampled_from(HALF)) if half and draw(st.booleans()) else None)
+
+
+@st.composite
+def habits(draw, model: str, entry: str, sound: bool = False) -> Habits:
+    """What users do around the wrapper; a module to ignore only where the model has one
+    to spare (tpdp_verify.ranks.loop.ignorable). ``sound``: only habits ``sound_habits``
+    keeps, drawn directly (a filter would reject most draws)."""
+    return Habits(clip=None if sound else draw(st.sampled_from(CLIPS)),
+                  checkpoint=draw(st.booleans()) and not (sound and entry in DDP_ENTRIES),
+                  between=draw(st.sampled_from(BETWEEN)), set_to_none=draw(st.booleans()),
+                  ignored=can_ignore(model) and draw(st.booleans()))
 
 
 # A case draws from strategies built once per argument: hypothesis validates each new
@@ -95,14 +156,19 @@ def _sizes(model: str, tp: int, empty_shards: bool) -> st.SearchStrategy:
 
 
 _ddp_options = functools.cache(ddp_options)
+_fsdp2_options = functools.cache(fsdp2_options)
+_habits = functools.cache(habits)
 
 
 @st.composite
 def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
                 built: tuple[str, ...] = BUILT, static_graph: tuple[bool, ...] = (False, True),
-                models: tuple[str, ...] = tuple(ZOO), mesh_shapes: tuple[tuple[int, int], ...] | None = None
-                ) -> TrainCase:
-    """Training cases on ``world_size`` ranks; the keywords narrow the space (tests, bench)."""
+                models: tuple[str, ...] = tuple(ZOO), mesh_shapes: tuple[tuple[int, int], ...] | None = None,
+                options: bool = True, half: bool = False, sound_only: bool = False) -> TrainCase:
+    """Training cases on ``world_size`` ranks; the keywords narrow the space (tests, bench).
+    ``options``: draw the entry points' newer options and the training habits (else each at
+    its default); ``half``: options that round to half precision by design too;
+    ``sound_only``: habits ``sound_habits`` keeps only."""
     mesh = draw(_one_of(tuple(mesh_shapes or meshes(world_size))))
     model = draw(_one_of(tuple(models)))
     entry = draw(_one_of(tuple(e for e in entries if _timings(e, built))))
@@ -111,7 +177,9 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
         size=draw(_sizes(model, mesh[1], entry in DDP_ENTRIES)),
         mesh_shape=mesh,
         entry=entry,
-        ddp=draw(_ddp_options(model, tuple(static_graph))) if entry in DDP_ENTRIES else DDPOptions(),
+        ddp=draw(_ddp_options(model, tuple(static_graph), options, half)) if entry in DDP_ENTRIES else DDPOptions(),
+        fsdp=draw(_fsdp2_options(half)) if entry in FSDP2_ENTRIES and options else FSDP2Options(),
+        habits=draw(_habits(model, entry, sound_only)) if options else Habits(),
         optimizer=draw(_one_of(OPTIMIZERS)),
         built=draw(_one_of(tuple(_timings(entry, built)))),
         eval_first=draw(st.booleans()),
@@ -153,7 +221,8 @@ def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool 
         found = _shipped().get(key[0], {}) if shipped else {}
         if model in found:
             _simplest_cases[key] = None if found[model] is None else eval(  # noqa: S307: the file's own reprs
-                found[model], {"TrainCase": TrainCase, "Size": Size, "DDPOptions": DDPOptions})
+                found[model], {"TrainCase": TrainCase, "Size": Size, "DDPOptions": DDPOptions,
+                               "FSDP2Options": FSDP2Options, "Habits": Habits})
         else:
             try:
                 _simplest_cases[key] = find(strategy, lambda c: c.model == model, settings=_FIND)
@@ -185,8 +254,12 @@ def every_model(strategies: dict) -> list[dict]:
     return [{"case": c} for c in found if c is not None]
 
 
-def sound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    return train_cases(world_size, **SOUND_TRAINING)
+def sound_cases(world_size: int, half: bool = False) -> st.SearchStrategy[TrainCase]:
+    return train_cases(world_size, half=half, **SOUND_TRAINING)
+
+
+def sound_cases_with_half(world_size: int) -> st.SearchStrategy[TrainCase]:
+    return sound_cases(world_size, half=True)
 
 
 def unsound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
@@ -205,7 +278,7 @@ def entry_points_train_like_one_device(pool, impl: str, case: TrainCase) -> None
     verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=every_model, case=sound_cases)
+@tpdp_property(min_world_size=2, cover=every_model, case=sound_cases_with_half)
 def trains_like_plain_ddp(pool, impl: str, case: TrainCase) -> None:
     """TP+DP matches plain DDP (no TP) over the same dp groups, within the bound plain DDP earns."""
     verdict_plain_ddp(pool, impl, case).raise_if_failed()

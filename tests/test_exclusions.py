@@ -41,9 +41,9 @@ def _fsdp1_untrained(ws):
 # dimension drawn freely.
 UNFILTERED = {
     "fsdp_optimizer_before_wrap": lambda ws: _redraw(
-        train_cases(ws, entries=("fsdp1", "fully_shard")), "built", lambda c: st.sampled_from(BUILT)),
+        train_cases(ws, entries=("fsdp1", "fully_shard", "replicate_fsdp")), "built", lambda c: st.sampled_from(BUILT)),
     "fsdp2_optimizer_after_forward": lambda ws: _redraw(
-        train_cases(ws, entries=("fully_shard",)), "built", lambda c: st.sampled_from(BUILT)),
+        train_cases(ws, entries=("fully_shard", "replicate_fsdp")), "built", lambda c: st.sampled_from(BUILT)),
     "ddp_unused_without_find_unused": lambda ws: _redraw(
         train_cases(ws, entries=("ddp_mesh", "transform_ddp", "replicate"), models=("unused",)), "ddp",
         lambda c: st.booleans().map(lambda b: replace(c.ddp, find_unused_parameters=b))),
@@ -60,6 +60,8 @@ UNFILTERED = {
     "fsdp1_checkpoint_uneven": _fsdp1_untrained,
     "trees_without_parameters": module_trees,
     "chunk_tensor_hsdp": fsdp_cases,
+    "half_precision_against_one_device": lambda ws: train_cases(ws, half=True),
+    "checkpoint_options_and_habits": train_cases,
 }
 
 IDS = [x.name for x in EXCLUSIONS]

@@ -42,7 +42,7 @@ def test_reference_trains_exactly_through_fsdp1(tpdp_pools, tpdp_profile):
     (tp 2 and the zoo's sizes keep every shard non-empty; with empty ones FSDP1 cannot
     write back), one microbatch a step (no_sync crashes)."""
     prop = entry_points_train_like_one_device.drawing(case=lambda ws: train_cases(
-        ws, entries=("fsdp1",), built=("after_wrap",), models=FSDP1_MODELS, mesh_shapes=((2, 2),),
+        ws, entries=("fsdp1",), built=("after_wrap",), models=FSDP1_MODELS, mesh_shapes=((2, 2),), options=False,
     ).filter(lambda c: c.accumulate == 1))
     stats = prop.run(tpdp_pools.get(4), "reference", tpdp_profile)
     assert stats.passed >= tpdp_profile.max_examples

@@ -15,12 +15,14 @@ ENTRIES = (
     "replicate",        # composable replicate(model, device_mesh=mesh["dp"])
     "fsdp1",            # FullyShardedDataParallel(model, device_mesh=mesh["dp"]): DTensorExtensions
     "fully_shard",      # FSDP2 fully_shard(model, mesh=mesh["dp"]): DTensor parameters on the 2-D mesh
+    "replicate_fsdp",   # FSDP2-based replicate(model, mesh=mesh["dp"]) (_composable.replicate_with_fsdp)
 )
 # verify_plan's names for them (tpdp_verify.plan); "own": the user's parallelize function
 # applies DP itself (tpdp_verify.ranks.entries.wrap_own finds which).
 DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
-      "fsdp2": "fully_shard", "fsdp1": "fsdp1", "own": "own"}
+      "fsdp2": "fully_shard", "fsdp1": "fsdp1", "replicate_fsdp": "replicate_fsdp", "own": "own"}
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
+FSDP2_ENTRIES = ("fully_shard", "replicate_fsdp")  # those that take FSDP2Options
 OPTIMIZERS = ("sgd", "adam")
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's
@@ -46,33 +48,104 @@ def empty_shard(n: int, tp: int) -> bool:
 
 
 
+# DDP's built-in communication hooks (torch.distributed.algorithms.ddp_comm_hooks.default_hooks);
+# the compressing ones round every gradient to half precision on the wire.
+COMM_HOOKS = ("allreduce", "fp16_compress", "bf16_compress")
+HALF = ("bfloat16", "float16")  # the compute dtypes a mixed-precision option draws
+
+
 @dataclass(frozen=True)
 class DDPOptions:
-    """Keyword arguments of DistributedDataParallel (and replicate) a case sets."""
+    """Keyword arguments of DistributedDataParallel (and replicate) a case sets, and the
+    communication hook it registers; each default is DDP's own."""
 
     bucket_cap_mb: float | None = None  # tiny values split the gradients over several buckets
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     find_unused_parameters: bool = False
     sync_buffers: bool = True  # broadcast buffers from the dp group's first rank each forward
+    init_sync: bool = True  # broadcast parameters and buffers from the dp group's first rank at wrap time
+    skip_all_reduce_unused_params: bool = False
+    bucket_cap_mb_list: tuple[float, ...] | None = None  # a cap per bucket, in bucket order
+    batched_grad_copy: bool = False
+    mixed_precision: str | None = None  # DDP's _MixedPrecision: params in this dtype in forward/backward
+    comm_hook: str | None = None  # one of COMM_HOOKS, registered right after wrapping
 
     def kwargs(self) -> dict:
-        out = {k: v for k, v in vars(self).items() if k not in ("bucket_cap_mb", "sync_buffers")}
+        """The keywords DDP takes; the newer ones only where set, so that a torch without
+        them still takes a case that leaves them at their default."""
+        out = {k: getattr(self, k) for k in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")}
+        out[_sync_buffers_name()] = self.sync_buffers
         if self.bucket_cap_mb is not None:
             out["bucket_cap_mb"] = self.bucket_cap_mb
-        out[_sync_buffers_name()] = self.sync_buffers
+        if self.bucket_cap_mb_list is not None:
+            out["bucket_cap_mb_list"] = list(self.bucket_cap_mb_list)
+        out |= {k: True for k in ("skip_all_reduce_unused_params", "batched_grad_copy") if getattr(self, k)}
+        out |= {} if self.init_sync else {"init_sync": False}
+        if self.mixed_precision is not None:
+            import torch
+            from torch.nn.parallel.distributed import _MixedPrecision
+
+            dtype = getattr(torch, self.mixed_precision)
+            out["mixed_precision"] = _MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
         return out
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The half dtype every gradient passes through, where an option rounds it to one."""
+        return {"fp16_compress": "float16", "bf16_compress": "bfloat16"}.get(self.comm_hook) or self.mixed_precision
 
 
 @functools.cache  # read from torch when first needed: a case imports no torch.distributed
 def _sync_buffers_name() -> str:
     """torch 2.13 renamed DDP's ``broadcast_buffers`` (now deprecated, with a warning)."""
+    return "forward_sync_buffers" if "forward_sync_buffers" in ddp_keywords() else "broadcast_buffers"
+
+
+@functools.cache
+def ddp_keywords() -> frozenset[str]:
+    """The keywords the installed torch's DistributedDataParallel takes."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
 
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
+
+
+@dataclass(frozen=True)
+class FSDP2Options:
+    """Keyword arguments of fully_shard (and the FSDP2-based replicate) a case sets."""
+
+    reshard_after_forward: bool = True  # fully_shard only: free the unsharded parameters after forward
+    mixed_precision: str | None = None  # MixedPrecisionPolicy(param_dtype=this, reduce_dtype=float32)
+
+    def kwargs(self, entry: str) -> dict:
+        out = {"reshard_after_forward": self.reshard_after_forward} if entry == "fully_shard" else {}
+        if self.mixed_precision is not None:
+            import torch
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            out["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.mixed_precision),
+                                                    reduce_dtype=torch.float32)
+        return out
+
+    @property
+    def wire_dtype(self) -> str | None:
+        return self.mixed_precision
+
+
+@dataclass(frozen=True)
+class Habits:
+    """What users do around the DP wrapper while they train, drawn as part of a case."""
+
+    clip: float | None = None  # clip_grad_norm_(model.parameters(), clip) before each step
+    checkpoint: bool = False  # activation checkpointing of every block (torch's composable checkpoint)
+    between: str = ""  # between steps: "eval" (eval(), a no_grad forward, train()) or "no_grad" (a forward)
+    set_to_none: bool = True  # zero_grad(set_to_none=...) after each step
+    ignored: bool = False  # the fixture's ignorable module frozen and left out of DP (its ignore list)
+
+
+BETWEEN = ("", "eval", "no_grad")
 
 
 @dataclass(frozen=True)
@@ -84,6 +157,8 @@ class TrainCase:
     mesh_shape: tuple[int, int] = (1, 2)  # (dp, tp)
     entry: str = "ddp_mesh"
     ddp: DDPOptions = field(default_factory=DDPOptions)
+    fsdp: FSDP2Options = field(default_factory=FSDP2Options)
+    habits: Habits = field(default_factory=Habits)
     optimizer: str = "sgd"
     built: str = "after_wrap"
     eval_first: bool = False            # a no_grad eval forward before training
@@ -108,6 +183,17 @@ class TrainCase:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def wire_dtype(self):
+        """The lowest precision a value passes through on the way: a half-precision option's
+        dtype, or the case's own (the floor of every bound, tpdp_verify.judging.tolerance)."""
+        import torch
+
+        half = self.ddp.wire_dtype if self.entry in DDP_ENTRIES else \
+            self.fsdp.wire_dtype if self.entry in FSDP2_ENTRIES else None
+        dtypes = [self.torch_dtype] + ([getattr(torch, half)] if half else [])
+        return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
     @property
     def dp(self) -> int:

@@ -205,6 +205,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     whole.outputs = [{name: torch.cat([g[name] for g in parts]) for name in parts[0] if all(name in g for g in parts)}
                      for parts in zip(*outputs)]
     whole.losses = [sum(parts) / len(parts) for parts in zip(*losses)]
+    # each step: every rank's own total gradient norm, each judged against the oracle's
+    whole.norms = [{f"seen by rank {r}": norm for r, norm in enumerate(norms)} for norms in zip(*(t.norms for t in traces))]
     checks.append(Check("tp ranks of a dp group produce the same output and loss", not problems,
                         "; ".join(problems[:3])))
     return whole, checks
@@ -243,8 +245,10 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
 
 def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
           against: str = "one device") -> Verdict:
-    """Compare a global trace with a baseline in the case's dtype and the float64 shadow."""
-    dtype = case.torch_dtype
+    """Compare a global trace with a baseline in the case's dtype and the float64 shadow;
+    where an option rounds values to half precision on the way (a compressing comm hook,
+    mixed precision), that dtype is the floor of every bound (docs/tolerance.md)."""
+    dtype = case.wire_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
                 if observed.state_unobserved else "", unread=shadow.unread, accumulate=case.accumulate)
     if observed.error:
@@ -260,6 +264,11 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
         _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
     _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v, dtype)
+    for i, (o, b, s) in enumerate(zip(observed.norms, baseline.norms, shadow.norms), 1):
+        _values("gradient norm", i, {k: torch.tensor(x) for k, x in o.items()}, _per_rank(b, o), _per_rank(s, o), v, dtype)
+    if len(observed.norms) != len(shadow.norms):
+        v.checks.append(Check("clips as often as the oracle", False,
+                              f"{len(observed.norms)} gradient norms, the oracle {len(shadow.norms)}"))
     for step in range(1, len(shadow.grads) + 1):
         _values("gradient", step, observed.grads[step - 1], baseline.grads[step - 1], shadow.grads[step - 1], v, dtype)
         _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v, dtype)
@@ -285,6 +294,12 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
         v.checks.append(Check("compared at least one value a parameter", False,
                               f"compared {len(v.rows)} values for {len(shadow.params[0])} parameters"))
     return v
+
+
+def _per_rank(norm, ranks: dict) -> dict:
+    """An oracle's gradient norm (one device's float, or plain DDP's, seen by every rank)
+    under each rank's name."""
+    return {k: torch.tensor(norm[k] if isinstance(norm, dict) else norm) for k in ranks}
 
 
 def _registry(observed: list[str], oracle: list[str], tied: list[tuple[str, ...]] = ()) -> Check:
@@ -324,7 +339,7 @@ def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Tr
         if any(p is None for p in pieces):
             continue  # an output whose layout cannot be put back; the next module decides
         got = torch.cat(pieces)
-        if not error(got, baseline.activations[i][1], exact, case.torch_dtype).ok:
+        if not error(got, baseline.activations[i][1], exact, case.wire_dtype).ok:
             return name or "<the whole model>"
     return _shape_break(observed[0], shadow)
 

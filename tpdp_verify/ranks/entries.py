@@ -26,25 +26,53 @@ class Wrapped(NamedTuple):
     layouts: dict | None = None
 
 
-def wrap_ddp_mesh(model, case: TrainCase, mesh, impl) -> Wrapped:
+def ignored(model: nn.Module, case: TrainCase) -> nn.Module | None:
+    """The module the case tells its DP entry point to ignore (Habits.ignored), or None."""
+    from tpdp_verify.ranks.loop import ignorable
+
+    return ignorable(model) if case.habits.ignored else None
+
+
+def _ddp(model, case: TrainCase, **group):
+    """DistributedDataParallel with the case's options, its ignore list and its comm hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, device_mesh=mesh["dp"], **case.ddp.kwargs())
+    if (skip := ignored(model, case)) is not None:
+        names = [n for n, p in model.named_parameters() if any(p is q for q in skip.parameters())]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, names)
+    ddp = DDP(model, **group, **case.ddp.kwargs())
+    register_comm_hook(ddp, case, group.get("process_group") or group["device_mesh"].get_group())
+    return ddp
+
+
+def register_comm_hook(ddp, case: TrainCase, group) -> None:
+    """The case's built-in communication hook, on a DDP or a DDP-based replicate."""
+    if case.ddp.comm_hook is None:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = {"allreduce": default_hooks.allreduce_hook, "fp16_compress": default_hooks.fp16_compress_hook,
+            "bf16_compress": default_hooks.bf16_compress_hook}[case.ddp.comm_hook]
+    ddp.register_comm_hook(group, hook)
+
+
+def wrap_ddp_mesh(model, case: TrainCase, mesh, impl) -> Wrapped:
+    ddp = _ddp(model, case, device_mesh=mesh["dp"])
     return Wrapped(ddp, ddp.module, ddp.no_sync)
 
 
 def wrap_transform_ddp(model, case: TrainCase, mesh, impl) -> Wrapped:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     impl.pre_dp_module_transform(model)
-    ddp = DDP(model, process_group=mesh["dp"].get_group(), **case.ddp.kwargs())
+    ddp = _ddp(model, case, process_group=mesh["dp"].get_group())
     return Wrapped(ddp, ddp.module, ddp.no_sync)
 
 
 def wrap_replicate(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, device_mesh=mesh["dp"], **case.ddp.kwargs())
+    skip = ignored(model, case)
+    replicate(model, device_mesh=mesh["dp"], ignored_modules=[skip] if skip else None, **case.ddp.kwargs())
+    register_comm_hook(model, case, mesh["dp"].get_group())  # registered when replicate builds its DDP
     return Wrapped(model, model, lambda: _replicate_no_sync(model))
 
 
@@ -58,10 +86,23 @@ def _replicate_no_sync(model):
         yield
 
 
+def _fsdp2_ignored(model, case: TrainCase) -> dict:
+    skip = ignored(model, case)
+    return {"ignored_params": set(skip.parameters())} if skip is not None else {}
+
+
 def wrap_fully_shard(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"], **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
+    return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
+
+
+def wrap_replicate_fsdp(model, case: TrainCase, mesh, impl) -> Wrapped:
+    """The FSDP2-based replicate (torchtitan's): FSDP2's machinery, parameters replicated over dp."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(model, mesh=mesh["dp"], **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
     return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
 
 
@@ -91,7 +132,9 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
 
     # FSDP1 runs on the CPU only when told to: without device_id it looks for an accelerator.
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
-    return _driven_fsdp1(FSDP(model, device_mesh=mesh["dp"], use_orig_params=True, device_id=device))
+    skip = ignored(model, case)
+    return _driven_fsdp1(FSDP(model, device_mesh=mesh["dp"], use_orig_params=True, device_id=device,
+                              ignored_modules=[skip] if skip else None))
 
 
 def _driven_fsdp1(fsdp) -> Wrapped:
@@ -112,7 +155,7 @@ def wrap_own(model, case: TrainCase, mesh, impl) -> Wrapped:
     if entry is None:
         raise RuntimeError("dp='own' but parallelize_fn applied no DP: wrap the model in DDP, replicate, "
                            "fully_shard or FSDP on mesh['dp'], or let tpdp-verify wrap it (dp='ddp', ...)")
-    if entry == "fully_shard":  # FSDP's parameters stay DTensors, their layouts in sight
+    if entry in ("fully_shard", "replicate_fsdp"):  # FSDP2's parameters stay DTensors, their layouts in sight
         return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
     if entry == "fsdp1":
         return _driven_fsdp1(model)
@@ -133,7 +176,9 @@ def own_entry(model: nn.Module) -> str | None:
     if isinstance(model, FSDP):
         return "fsdp1"
     if isinstance(model, FSDPModule):
-        return "fully_shard"
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+        return "replicate_fsdp" if isinstance(model, ReplicateModule) else "fully_shard"
     return "replicate" if replicate.state(model) is not None else None
 
 
@@ -165,14 +210,17 @@ def hidden_layouts(inner: nn.Module, case: TrainCase, mesh) -> dict:
 def _ddp_keywords() -> set[str]:
     from tpdp_verify.cases.training import DDPOptions
 
-    return set(DDPOptions(bucket_cap_mb=1.0).kwargs())
+    every = DDPOptions(bucket_cap_mb=1.0, bucket_cap_mb_list=(1.0,), init_sync=False, skip_all_reduce_unused_params=True,
+                       batched_grad_copy=True)  # mixed_precision: CUDA-only, no case draws it (coverage.REASONS)
+    return set(every.kwargs())
 
 
 SETS = {
     "DistributedDataParallel": {"device_mesh", "process_group", *_ddp_keywords()},
-    "replicate": {"device_mesh", *_ddp_keywords()},  # passed on to DDP through its **kwargs
-    "fully_shard": {"mesh"},
-    "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id"},
+    "replicate": {"device_mesh", "ignored_modules", *_ddp_keywords()},  # passed on to DDP through its **kwargs
+    "replicate (FSDP2-based)": {"mesh", "mp_policy", "ignored_params"},
+    "fully_shard": {"mesh", "mp_policy", "ignored_params", "reshard_after_forward"},
+    "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id", "ignored_modules"},
 }
 
 
@@ -182,5 +230,6 @@ WRAP = {
     "replicate": wrap_replicate,
     "fully_shard": wrap_fully_shard,
     "fsdp1": wrap_fsdp1,
+    "replicate_fsdp": wrap_replicate_fsdp,
     "own": wrap_own,
 }

@@ -33,6 +33,7 @@ class Trace(Observation):
     outputs: list[dict] = field(default_factory=list)  # each microbatch: leaf path -> this run's rows of it
     unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
     losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)  # each step: the total gradient norm clipping saw (Habits.clip)
     grads: list[dict] = field(default_factory=list)  # each step: name -> gradient (or its Piece) or None
     params: list[dict] = field(default_factory=list)  # before training, then after each step
     state: list[dict] = field(default_factory=list)  # each step: "name: key" -> optimizer state
@@ -69,9 +70,38 @@ def fixture(case: TrainCase) -> Fixture:
 
 def build(case: TrainCase, dtype: torch.dtype | None = None) -> nn.Module:
     """The unsharded model, identical wherever it is built from the case's seed; in the
-    case's dtype unless told otherwise (the float64 shadow)."""
+    case's dtype unless told otherwise (the float64 shadow). A module the case's DP entry
+    point ignores is frozen here, in every run alike (Habits.ignored)."""
     torch.manual_seed(case.seed)
-    return fixture(case).build(case.size).to(dtype or case.torch_dtype)
+    model = fixture(case).build(case.size).to(dtype or case.torch_dtype)
+    if case.habits.ignored:
+        ignorable(model).requires_grad_(False)
+    return model
+
+
+def ignorable(model: nn.Module) -> nn.Module | None:
+    """The module a DP entry point may be told to ignore: the model's first child with
+    parameters, where another child has trainable ones (DP needs something to train)."""
+    held = [m for m in model.children() if any(True for _ in m.parameters())]
+    return held[0] if len(held) > 1 and any(p.requires_grad for m in held[1:] for p in m.parameters()) else None
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules activation checkpointing wraps: the model's children with parameters,
+    the entries of a ModuleList or ModuleDict child in its place (it has no forward)."""
+    out = []
+    for child in model.children():
+        inner = list(child.children()) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
+        out += [m for m in inner if any(True for _ in m.parameters())]
+    return out
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Activation checkpointing of every block, as torchtitan applies it: after TP, before DP."""
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks(model):
+        checkpoint(block)
 
 
 def batches(case: TrainCase, dtype: torch.dtype | None = None) -> list[list[dict]]:
@@ -243,6 +273,27 @@ def build_optimizer(case: TrainCase, run: Run, data: list, new_optimizer: Callab
                            + "".join(traceback.format_exception_only(exc)).strip()) from None
 
 
+def clip(run: Run, max_norm: float) -> float:
+    """clip_grad_norm_ over the model's parameters as users call it after wrapping (FSDP1's
+    own method where the wrapper has one); the total norm it saw."""
+    if hasattr(run.model, "clip_grad_norm_"):
+        norm = run.model.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(list(run.model.parameters()), max_norm)
+    return float(whole(norm))
+
+
+def between_steps(case: TrainCase, run: Run, batch: dict) -> None:
+    """A forward between steps that trains nothing: in eval mode or in train mode, under no_grad."""
+    if not case.habits.between:
+        return
+    if case.habits.between == "eval":
+        run.model.eval()
+    with torch.no_grad():
+        forward(run.model, run.inner, {k: v[run.rows] for k, v in batch.items()})
+    run.model.train()
+
+
 def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Optimizer],
           capture: bool = False, dtype: torch.dtype | None = None) -> Trace:
     """Run the case's steps; record a Trace. An exception ends the trace with its text."""
@@ -277,10 +328,13 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 leaves, trace.unread = output_leaves(out, len(local["weight"]))
                 trace.outputs.append(leaves)
                 trace.losses.append(float(whole(loss.detach())))
+            if case.habits.clip is not None:
+                trace.norms.append(clip(run, case.habits.clip))
             with held_params(run) as current:
                 trace.grads.append(snapshot(run, {n: p.grad for n, p in current.items()}))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=case.habits.set_to_none)
+            between_steps(case, run, micro[0])
             with held_params(run) as current:
                 trace.params.append(snapshot(run, current))
             trace.state.append({} if run.state_unobserved else optimizer_state(run, params, optimizer))

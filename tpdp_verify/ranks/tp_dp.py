@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from tpdp_verify import signature
 from tpdp_verify.cases.training import TrainCase
-from tpdp_verify.ranks.loop import Run, Trace, build, fixture, make_optimizer, train
+from tpdp_verify.ranks.loop import Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train
 from tpdp_verify.ranks.pieces import cut
 from tpdp_verify.ranks.pool import caught
 
@@ -87,6 +87,11 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
         model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
             fx.after_parallelize(model)
+        if case.habits.ignored:  # frozen again after TP, as users who freeze a parallelized
+            # model do: SequenceParallel drops requires_grad (docs/known-divergences.md, fault 7)
+            ignorable(model).requires_grad_(False)
+    if case.habits.checkpoint:
+        checkpoint_blocks(model)
     before = dict(model.named_parameters(remove_duplicate=False))
     early = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
     return model, before, early

@@ -1,0 +1,99 @@
+"""The ci profile reaches every dimension of the training case space: each entry point,
+each option and each habit is drawn, counted per value, by the draw the gate itself makes.
+
+The draw is the gate's own: the properties run under the ci profile with a recorder in
+place of the ranks (hypothesis seeds a derandomized search from the property's function,
+which the recorder wraps), so the counts are what ``tpdp-verify gate --profile ci`` trains
+on torch 2.13.0 with the shipped baseline, where every failure is known and the search
+goes on as after a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF
+from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
+from tpdp_verify.properties.training import (
+    BUCKET_CAP_LISTS,
+    CLIPS,
+    entry_points_train_like_one_device,
+    trains_like_one_device,
+    trains_like_plain_ddp,
+)
+from tpdp_verify.runner.profiles import PROFILES
+
+CI = PROFILES["ci"]
+TRAINING = (trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device)
+
+
+def drawn(prop, world_size: int) -> list:
+    """The cases ``prop`` trains under the ci profile on ``world_size`` ranks, cover cases first."""
+    seen = []
+
+    @functools.wraps(prop.fn)
+    def record(pool, impl, case):
+        seen.append(case)
+
+    dataclasses.replace(prop, fn=record).run(SimpleNamespace(world_size=world_size), "torch", CI)
+    return seen
+
+
+@functools.cache
+def counts() -> Counter:
+    """Drawn cases per value of each dimension, over the training properties and the ci world sizes."""
+    out: Counter = Counter()
+    for prop in TRAINING:
+        for ws in CI.world_sizes:
+            for c in drawn(prop, ws):
+                ddp, fsdp, habits = c.ddp, c.fsdp, c.habits
+                out.update([f"entry={c.entry}", f"habits.clip={habits.clip}", f"habits.between={habits.between}",
+                            f"habits.set_to_none={habits.set_to_none}", f"habits.ignored={habits.ignored}",
+                            f"habits.checkpoint={habits.checkpoint} under {'ddp' if c.entry in DDP else c.entry}"])
+                if c.entry in DDP:
+                    out.update([f"ddp.init_sync={ddp.init_sync}", f"ddp.comm_hook={ddp.comm_hook}",
+                                f"ddp.skip_all_reduce_unused_params={ddp.skip_all_reduce_unused_params}",
+                                f"ddp.bucket_cap_mb_list={ddp.bucket_cap_mb_list}",
+                                f"ddp.batched_grad_copy={ddp.batched_grad_copy}"])
+                if c.entry in FSDP2:
+                    out.update([f"fsdp.mixed_precision={fsdp.mixed_precision}"])
+                if c.entry == "fully_shard":
+                    out.update([f"fsdp.reshard_after_forward={fsdp.reshard_after_forward}"])
+    return out
+
+
+DDP = ("ddp_mesh", "transform_ddp", "replicate")
+FSDP2 = ("fully_shard", "replicate_fsdp")
+EXPECTED = (
+    [f"entry={e}" for e in ENTRIES]
+    + [f"ddp.init_sync={v}" for v in (True, False)]
+    + [f"ddp.comm_hook={v}" for v in (None, *CPU_COMM_HOOKS)]
+    + [f"ddp.skip_all_reduce_unused_params={v}" for v in (True, False)]
+    + [f"ddp.bucket_cap_mb_list={v}" for v in BUCKET_CAP_LISTS]
+    + [f"ddp.batched_grad_copy={v}" for v in (True, False)]
+    + [f"fsdp.mixed_precision={v}" for v in (None, *HALF)]
+    + [f"fsdp.reshard_after_forward={v}" for v in (True, False)]
+    + [f"habits.clip={v}" for v in CLIPS]
+    + [f"habits.between={v}" for v in BETWEEN]
+    + [f"habits.set_to_none={v}" for v in (True, False)]
+    + [f"habits.ignored={v}" for v in (True, False)]
+    + [f"habits.checkpoint=True under {e}" for e in ("ddp", *FSDP2, "fsdp1")]
+)
+
+
+@pytest.mark.parametrize("value", EXPECTED)
+def test_the_ci_profile_draws_it(value):
+    found = counts()
+    assert found[value] > 0, f"the ci profile never draws {value}; it drew {dict(sorted(found.items()))}"
+
+
+def test_the_counts_are_of_real_draws():
+    """Every property drew its 40 cases a world size, or the counts above mean little."""
+    for prop in TRAINING:
+        for ws in CI.world_sizes:
+            assert len(drawn(prop, ws)) >= CI.max_examples, (prop.name, ws)
