@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", metavar="MODULE:FN", help="optimizer_fn(params) (default: SGD, lr 0.1, "
                       "momentum 0.9)")
     plan.add_argument("--mesh", default="1x2", type=_mesh, help="DPxTP (default: 1x2)")
-    plan.add_argument("--dp", default="ddp", choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1", "own"),
+    plan.add_argument("--dp", default="ddp",
+                      choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1", "replicate_fsdp", "own"),
                       help="the DP entry point tpdp-verify wraps the TP'd model in; own: --parallelize applies "
                       "DP itself (no plain-DP run then)")
     plan.add_argument("--steps", type=int, default=3)

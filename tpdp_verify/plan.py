@@ -421,8 +421,8 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     batch = 2 * mesh[0] if batch is None else batch
     if not isinstance(batch, int) or batch < mesh[0] or batch % mesh[0]:
         raise UsageError(f"batch={batch!r} does not split over dp={mesh[0]} ranks: give a multiple of {mesh[0]}")
-    try:
-        ddp = DDPOptions(**(ddp_options or {}))
+    try:  # a list (bucket_cap_mb_list) as a tuple: a case is hashable
+        ddp = DDPOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in (ddp_options or {}).items()})
     except TypeError as exc:
         raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.training.DDPOptions") from None
     user = UserModel(model_fn, plan if plan is None or callable(plan) or plan == "auto" else tuple(plan.items()),
