@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.cases.training import MISWIRINGS, TrainCase
 from tpdp_verify.judging.verdict import Verdict, assemble, judge_training, localize
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp, observe_with_plain_ddp
 from tpdp_verify.oracles.single_device import oracle
@@ -56,4 +56,20 @@ def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
     assert all(c.ok for c in plain_checks), "plain DDP's own replicas disagree: " + str(plain_checks)
     verdict = judge_training(case, tpdp, plain, shadow, against="plain DDP")
     verdict.checks[:0] = tp_checks
+    return verdict
+
+
+def verdict_miswired(pool, impl: str, case: TrainCase) -> Verdict:
+    """A miswired case (TrainCase.wiring): refused on every rank before the first step, or
+    trained exactly like one device; anything else is torch accepting the miswiring."""
+    traces = pool.run(observe, case, impl)
+    wired = MISWIRINGS[case.wiring]
+    if all(t.error and len(t.params) <= 1 for t in traces):  # raised before any step completed
+        return Verdict([Check(f"refuses it before training ({wired})", True)], against="one device")
+    whole, checks = assemble(case, traces)
+    verdict = judge_training(case, whole, *oracle(case))
+    verdict.checks[:0] = checks
+    verdict.checks.insert(0, Check("refuses a miswiring before training, or trains exactly", verdict.ok,
+                                   f"{wired} was accepted" + ("" if any(t.error for t in traces) else
+                                                              " and trained otherwise than one device")))
     return verdict

@@ -27,10 +27,11 @@ from tpdp_verify.properties.training import (
     trains_like_one_device,
     trains_like_plain_ddp,
 )
+from tpdp_verify.properties.wiring import miswiring_refused_or_exact
 
-# The transform's structure, then training, then checkpoints, then FSDP1's extension.
+# The transform's structure, then training (miswired too), then checkpoints, then FSDP1's extension.
 ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched,
-       trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device,
+       trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device, miswiring_refused_or_exact,
        state_dict_like_unsharded, entry_points_state_dict_like_unsharded,
        checkpoint_resumes, entry_points_checkpoint_resume,
        fsdp_flatten_roundtrip, chunk_dtensor_layout, all_gather_dtensor_full, chunk_tensor_metadata)

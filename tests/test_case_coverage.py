@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF
+from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, MISWIRINGS
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
 from tpdp_verify.properties.training import (
     BUCKET_CAP_LISTS,
@@ -26,6 +26,7 @@ from tpdp_verify.properties.training import (
     trains_like_one_device,
     trains_like_plain_ddp,
 )
+from tpdp_verify.properties.wiring import miswiring_refused_or_exact
 from tpdp_verify.runner.profiles import PROFILES
 
 CI = PROFILES["ci"]
@@ -97,3 +98,12 @@ def test_the_counts_are_of_real_draws():
     for prop in TRAINING:
         for ws in CI.world_sizes:
             assert len(drawn(prop, ws)) >= CI.max_examples, (prop.name, ws)
+
+
+def test_the_ci_profile_draws_every_miswiring_and_every_entry_point_miswired():
+    drawn_cases = [c for ws in CI.world_sizes if ws >= miswiring_refused_or_exact.min_world_size
+                   for c in drawn(miswiring_refused_or_exact, ws)]
+    wirings, entries = Counter(c.wiring for c in drawn_cases), Counter(c.entry for c in drawn_cases)
+    assert len(drawn_cases) >= CI.max_examples
+    assert all(wirings[w] for w in MISWIRINGS), wirings
+    assert all(entries[e] for e in ENTRIES), entries

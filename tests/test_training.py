@@ -3,11 +3,16 @@ DDP through every entry point that exercises the transform, torch 2.13's departu
 found and shrunk, and every training mutant is caught within a minute."""
 
 import dataclasses
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from tpdp_verify.cases.training import Habits, TrainCase
 from tpdp_verify.fixtures import ZOO
+from tpdp_verify.oracles.verdicts import verdict_one_device
 from tpdp_verify.properties.training import (
     SOUND_TRAINING,
     entry_points_train_like_one_device,
@@ -75,6 +80,36 @@ def test_torch_fsdp1_cannot_accumulate_gradients_under_no_sync(tpdp_pools, tpdp_
     found, stats = divergences(prop, tpdp_pools.get(4), "torch", tpdp_profile)
     assert any("invalid python storage" in str(e) for e in found), found
     assert any(case.accumulate == 2 for case in (d["case"] for d in stats.failures.values()))
+
+
+def test_clip_grad_norm_under_ddp_with_tp_misses_the_global_norm(tpdp_pool):
+    """docs/known-divergences.md, fault 8: each rank's norm is judged against one device's."""
+    case = TrainCase(model="mlp", mesh_shape=(1, 2), entry="ddp_mesh", habits=Habits(clip=0.01))
+    for impl in ("torch", "reference"):
+        verdict = verdict_one_device(tpdp_pool, impl, case, lambda signature: False)
+        assert any(r.what == "gradient norm" and not r.err.ok for r in verdict.rows), (impl, verdict.report())
+
+
+def test_clip_grad_norm_under_fsdp2_with_a_parameter_tp_leaves_whole_raises(tpdp_pool):
+    case = TrainCase(model="llama", mesh_shape=(1, 2), entry="fully_shard", habits=Habits(clip=1000.0))
+    verdict = verdict_one_device(tpdp_pool, "torch", case, lambda signature: False)
+    assert "must have the same mesh" in verdict.report(), verdict.report()
+
+
+def test_activation_checkpointing_under_ddp_meets_local_shards_with_a_transform_that_keeps_the_registry(tpdp_pool):
+    """docs/known-divergences.md, fault 9: the reference raises; torch 2.13 escapes through fault 1."""
+    case = TrainCase(model="mlp", mesh_shape=(1, 2), entry="transform_ddp", habits=Habits(checkpoint=True))
+    assert "CheckpointError" in verdict_one_device(tpdp_pool, "reference", case, lambda signature: False).report()
+    assert not any(c.name == "every rank trains without an exception" and not c.ok
+                   for c in verdict_one_device(tpdp_pool, "torch", case, lambda signature: False).checks)
+
+
+def test_sequence_parallel_thaws_frozen_parameters():
+    """docs/known-divergences.md, fault 7: its replay script, as shipped."""
+    script = Path(__file__).resolve().parent.parent / "docs" / "examples" / "sequence_parallel_thaws.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "SequenceParallel: frozen weight requires_grad after parallelize_module = True" in out.stdout, out
+    assert "ColwiseParallel: frozen weight requires_grad after parallelize_module = False" in out.stdout, out
 
 
 @pytest.mark.parametrize("mutant", mutants.TRAINING_MUTANTS, ids=lambda m: m.__name__)

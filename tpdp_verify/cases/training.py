@@ -147,6 +147,16 @@ class Habits:
 
 BETWEEN = ("", "eval", "no_grad")
 
+# Meshes a user can cross, which the entry points must refuse or train through exactly:
+# DP over the tp dimension or over the whole 2-D mesh, DDP given the dp process group in
+# place of the mesh (so no TP transform runs), TP over the dp dimension.
+MISWIRINGS = {  # each, in a user's words
+    "dp_over_tp": "DP given mesh['tp'] in place of mesh['dp']",
+    "dp_over_mesh": "DP given the whole (dp, tp) mesh in place of mesh['dp']",
+    "dp_by_group": "DDP given mesh['dp']'s process group in place of the mesh",
+    "tp_over_dp": "TP applied over mesh['dp'] in place of mesh['tp']",
+}
+
 
 @dataclass(frozen=True)
 class TrainCase:
@@ -167,6 +177,7 @@ class TrainCase:
     local_batch: int = 2                # samples a dp rank gets per microbatch
     seed: int = 0
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
+    wiring: str = ""                    # "" (as documented) or a key of MISWIRINGS
     # A user's model, plan, data and loss (tpdp_verify.plan.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)

@@ -33,6 +33,12 @@ def ignored(model: nn.Module, case: TrainCase) -> nn.Module | None:
     return ignorable(model) if case.habits.ignored else None
 
 
+def dp_mesh(case: TrainCase, mesh):
+    """The mesh the case's DP entry point is given: mesh["dp"], or a miswiring's
+    (TrainCase.wiring): mesh["tp"], or the whole 2-D mesh."""
+    return {"dp_over_tp": mesh["tp"], "dp_over_mesh": mesh}.get(case.wiring, mesh["dp"])
+
+
 def _ddp(model, case: TrainCase, **group):
     """DistributedDataParallel with the case's options, its ignore list and its comm hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,13 +63,16 @@ def register_comm_hook(ddp, case: TrainCase, group) -> None:
 
 
 def wrap_ddp_mesh(model, case: TrainCase, mesh, impl) -> Wrapped:
-    ddp = _ddp(model, case, device_mesh=mesh["dp"])
+    # dp_by_group: the process group where the mesh belongs, so DDP runs no TP transform
+    group = {"process_group": mesh["dp"].get_group()} if case.wiring == "dp_by_group" else \
+        {"device_mesh": dp_mesh(case, mesh)}
+    ddp = _ddp(model, case, **group)
     return Wrapped(ddp, ddp.module, ddp.no_sync)
 
 
 def wrap_transform_ddp(model, case: TrainCase, mesh, impl) -> Wrapped:
     impl.pre_dp_module_transform(model)
-    ddp = _ddp(model, case, process_group=mesh["dp"].get_group())
+    ddp = _ddp(model, case, process_group=dp_mesh(case, mesh).get_group())
     return Wrapped(ddp, ddp.module, ddp.no_sync)
 
 
@@ -71,7 +80,7 @@ def wrap_replicate(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed._composable.replicate import replicate
 
     skip = ignored(model, case)
-    replicate(model, device_mesh=mesh["dp"], ignored_modules=[skip] if skip else None, **case.ddp.kwargs())
+    replicate(model, device_mesh=dp_mesh(case, mesh), ignored_modules=[skip] if skip else None, **case.ddp.kwargs())
     register_comm_hook(model, case, mesh["dp"].get_group())  # registered when replicate builds its DDP
     return Wrapped(model, model, lambda: _replicate_no_sync(model))
 
@@ -94,7 +103,7 @@ def _fsdp2_ignored(model, case: TrainCase) -> dict:
 def wrap_fully_shard(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=mesh["dp"], **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
+    fully_shard(model, mesh=dp_mesh(case, mesh), **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
     return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
 
 
@@ -102,7 +111,7 @@ def wrap_replicate_fsdp(model, case: TrainCase, mesh, impl) -> Wrapped:
     """The FSDP2-based replicate (torchtitan's): FSDP2's machinery, parameters replicated over dp."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    replicate(model, mesh=mesh["dp"], **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
+    replicate(model, mesh=dp_mesh(case, mesh), **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
     return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
 
 
@@ -133,7 +142,7 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
     # FSDP1 runs on the CPU only when told to: without device_id it looks for an accelerator.
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     skip = ignored(model, case)
-    return _driven_fsdp1(FSDP(model, device_mesh=mesh["dp"], use_orig_params=True, device_id=device,
+    return _driven_fsdp1(FSDP(model, device_mesh=dp_mesh(case, mesh), use_orig_params=True, device_id=device,
                               ignored_modules=[skip] if skip else None))
 
 
