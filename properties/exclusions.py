@@ -50,8 +50,18 @@ CPU_COMM_HOOKS = ("allreduce", "fp16_compress")
 
 @functools.cache
 def can_ignore(model: str) -> bool:
-    """Whether the zoo model has a module a DP entry point can be told to ignore (frozen)
-    while its loss still has a gradient (tpdp_verify.ranks.loop.ignorable; the unused
+    """Whether the zoo model has a module a DP entry point can be told to ignore
+    (tpdp_verify.ranks.loop.ignorable)."""
+    from tpdp_verify.cases.training import Size
+    from tpdp_verify.fixtures.zoo import ZOO
+    from tpdp_verify.ranks.loop import ignorable
+
+    return ignorable(ZOO[model].build(Size())) is not None
+
+
+@functools.cache
+def can_freeze(model: str) -> bool:
+    """Whether the zoo model's loss keeps a gradient with that module frozen (the unused
     model's spare branch would be all that is left, and it gets none)."""
     import torch
 

@@ -25,6 +25,7 @@ from tpdp_verify.cases.training import (
     ENTRIES,
     FSDP2_ENTRIES,
     HALF,
+    IGNORED,
     OPTIMIZERS,
     TRAIN_DTYPES,
     DDPOptions,
@@ -39,6 +40,7 @@ from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import (
     CPU_COMM_HOOKS,
     OUTSIDE_CONTRACT,
+    can_freeze,
     can_ignore,
     empty_width,
     needs_find_unused,
@@ -125,10 +127,10 @@ def ddp_options(draw, model: str, static_graph: tuple[bool, ...] = (False, True)
 
 @st.composite
 def fsdp2_options(draw, half: bool = False) -> FSDP2Options:
-    """With ``half`` (trains_like_plain_ddp), mixed precision in either half dtype (two
-    draws: hypothesis favours the ends of a list, and would rarely pick its middle)."""
+    """With ``half`` (trains_like_plain_ddp), always mixed precision, in either half dtype:
+    FSDP2 in full precision is trains_like_one_device's, and 40 draws must meet both dtypes."""
     return FSDP2Options(reshard_after_forward=draw(st.booleans()),
-                        mixed_precision=draw(st.sampled_from(HALF)) if half and draw(st.booleans()) else None)
+                        mixed_precision=draw(st.sampled_from(HALF)) if half else None)
 
 
 @st.composite
@@ -139,7 +141,7 @@ def habits(draw, model: str, entry: str, sound: bool = False) -> Habits:
     return Habits(clip=None if sound else draw(st.sampled_from(CLIPS)),
                   checkpoint=draw(st.booleans()) and not (sound and entry in DDP_ENTRIES),
                   between=draw(st.sampled_from(BETWEEN)), set_to_none=draw(st.booleans()),
-                  ignored=can_ignore(model) and draw(st.booleans()))
+                  ignored=draw(_ignored(model)))
 
 
 # A case draws from strategies built once per argument: hypothesis validates each new
@@ -158,6 +160,15 @@ def _sizes(model: str, tp: int, empty_shards: bool) -> st.SearchStrategy:
 _ddp_options = functools.cache(ddp_options)
 _fsdp2_options = functools.cache(fsdp2_options)
 _habits = functools.cache(habits)
+
+
+@functools.cache
+def _ignored(model: str) -> st.SearchStrategy[str]:
+    """How the model's first child is left out of DP: not at all, frozen (where the rest
+    still trains: can_freeze), or trained with the user averaging it; two draws, since
+    hypothesis favours the ends of a list."""
+    kinds = tuple(k for k in IGNORED if k != "frozen" or can_freeze(model)) if can_ignore(model) else ()
+    return st.booleans().flatmap(lambda on: st.sampled_from(kinds) if on and kinds else st.just(""))
 
 
 @st.composite

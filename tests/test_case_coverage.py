@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, MISWIRINGS
+from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, IGNORED, MISWIRINGS
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
 from tpdp_verify.properties.training import (
     BUCKET_CAP_LISTS,
@@ -82,7 +82,7 @@ EXPECTED = (
     + [f"habits.clip={v}" for v in CLIPS]
     + [f"habits.between={v}" for v in BETWEEN]
     + [f"habits.set_to_none={v}" for v in (True, False)]
-    + [f"habits.ignored={v}" for v in (True, False)]
+    + [f"habits.ignored={v}" for v in ("", *IGNORED)]
     + [f"habits.checkpoint=True under {e}" for e in ("ddp", *FSDP2, "fsdp1")]
 )
 

@@ -294,7 +294,7 @@ def test_heads_that_do_not_split_over_tp_are_refused_before_any_rank():
     ({"model_fn": lambda: um.MLP()}, "model_fn cannot be sent to the ranks"),
     ({"batch": 3, "mesh": (2, 2)}, "batch=3 does not split over dp=2 ranks"),
     ({"mesh": (2, 2)}, "mesh (2, 2) holds 4 ranks but the pool has 2"),
-    ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1, own"),
+    ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1, replicate_fsdp, own"),
     ({"dtype": torch.int32}, "dtype must be one of float32, bfloat16, float16"),
     ({"plan": [("up", None)]}, "plan is a list; give a dict"),
 ], ids=["batch-rows", "unseeded-input", "unreduced-loss", "lambda", "batch-split", "mesh-size", "dp-name",

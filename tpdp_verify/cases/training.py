@@ -142,10 +142,13 @@ class Habits:
     checkpoint: bool = False  # activation checkpointing of every block (torch's composable checkpoint)
     between: str = ""  # between steps: "eval" (eval(), a no_grad forward, train()) or "no_grad" (a forward)
     set_to_none: bool = True  # zero_grad(set_to_none=...) after each step
-    ignored: bool = False  # the fixture's ignorable module frozen and left out of DP (its ignore list)
+    # the model's first child left out of DP (its ignore list): "frozen" by the user, or
+    # "trained" with its gradients averaged over dp by the user, after the last backward
+    ignored: str = ""
 
 
 BETWEEN = ("", "eval", "no_grad")
+IGNORED = ("frozen", "trained")
 
 # Meshes a user can cross, which the entry points must refuse or train through exactly:
 # DP over the tp dimension or over the whole 2-D mesh, DDP given the dp process group in

@@ -62,6 +62,9 @@ class Run:
     # flat-sharded too, is not read.
     whole_params: Callable[[], contextlib.AbstractContextManager] | None = None
     state_unobserved: str = ""
+    # Habits.ignored == "trained": what the user does for the parameters DP ignores, after
+    # the last backward of a step (average their gradients over dp)
+    sync_ignored: Callable[[], None] = lambda: None
 
 
 def fixture(case: TrainCase) -> Fixture:
@@ -74,7 +77,7 @@ def build(case: TrainCase, dtype: torch.dtype | None = None) -> nn.Module:
     point ignores is frozen here, in every run alike (Habits.ignored)."""
     torch.manual_seed(case.seed)
     model = fixture(case).build(case.size).to(dtype or case.torch_dtype)
-    if case.habits.ignored:
+    if case.habits.ignored == "frozen":
         ignorable(model).requires_grad_(False)
     return model
 
@@ -328,6 +331,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 leaves, trace.unread = output_leaves(out, len(local["weight"]))
                 trace.outputs.append(leaves)
                 trace.losses.append(float(whole(loss.detach())))
+            run.sync_ignored()
             if case.habits.clip is not None:
                 trace.norms.append(clip(run, case.habits.clip))
             with held_params(run) as current:

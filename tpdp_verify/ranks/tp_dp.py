@@ -88,7 +88,7 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
         model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
             fx.after_parallelize(model)
-        if case.habits.ignored:  # frozen again after TP, as users who freeze a parallelized
+        if case.habits.ignored == "frozen":  # frozen again after TP, as users who freeze a parallelized
             # model do: SequenceParallel drops requires_grad (docs/known-divergences.md, fault 7)
             ignorable(model).requires_grad_(False)
     if case.habits.checkpoint:
@@ -107,7 +107,25 @@ def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
                part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
                handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
                before_wrap=before, whole_params=wrapped.whole_params,
-               state_unobserved=wrapped.state_unobserved)
+               state_unobserved=wrapped.state_unobserved, sync_ignored=averaging_ignored(case, wrapped, mesh))
+
+
+def averaging_ignored(case: TrainCase, wrapped, mesh):
+    """What a user who trains the parameters DP ignores does each step: average their
+    gradients over mesh["dp"] (a DTensor's local shard, each tp rank its own)."""
+    if case.habits.ignored != "trained":
+        return lambda: None
+    import torch.distributed as dist
+
+    params, group = list(ignorable(wrapped.inner).parameters()), mesh["dp"].get_group()
+
+    def average():
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad,
+                                op=dist.ReduceOp.AVG, group=group)
+
+    return average
 
 
 def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = True) -> Trace:
