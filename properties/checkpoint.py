@@ -63,9 +63,9 @@ def checkpoint_cases(world_size: int, entries: tuple[str, ...] = SOUND_CHECKPOIN
                      ) -> st.SearchStrategy[TrainCase]:
     """Training cases for checkpoints: the optimizer built on the wrapper after wrapping,
     no static graph (the exclusions checkpoint_optimizer_timing and checkpoint_static_graph),
-    1-3 steps."""
-    return train_cases(world_size, entries=entries, built=CHECKPOINT_BUILT, static_graph=CHECKPOINT_STATIC_GRAPH, options=False,
-                       **narrower).filter(trainable)
+    1-3 steps, the entry points' first options and no training habits (checkpoint_options_and_habits)."""
+    return train_cases(world_size, entries=entries, built=CHECKPOINT_BUILT, static_graph=CHECKPOINT_STATIC_GRAPH,
+                       options=False, **narrower).filter(trainable)
 
 
 def sound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:

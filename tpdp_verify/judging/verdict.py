@@ -206,7 +206,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
                      for parts in zip(*outputs)]
     whole.losses = [sum(parts) / len(parts) for parts in zip(*losses)]
     # each step: every rank's own total gradient norm, each judged against the oracle's
-    whole.norms = [{f"seen by rank {r}": norm for r, norm in enumerate(norms)} for norms in zip(*(t.norms for t in traces))]
+    whole.norms = [{f"seen by rank {r}": norm for r, norm in enumerate(norms)}
+                   for norms in zip(*(t.norms for t in traces))]
     checks.append(Check("tp ranks of a dp group produce the same output and loss", not problems,
                         "; ".join(problems[:3])))
     return whole, checks
@@ -265,7 +266,8 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
         _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
     _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.norms, baseline.norms, shadow.norms), 1):
-        _values("gradient norm", i, {k: torch.tensor(x) for k, x in o.items()}, _per_rank(b, o), _per_rank(s, o), v, dtype)
+        _values("gradient norm", i, {k: torch.tensor(x) for k, x in o.items()}, _per_rank(b, o), _per_rank(s, o),
+                v, dtype)
     if len(observed.norms) != len(shadow.norms):
         v.checks.append(Check("clips as often as the oracle", False,
                               f"{len(observed.norms)} gradient norms, the oracle {len(shadow.norms)}"))

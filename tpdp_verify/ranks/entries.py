@@ -47,14 +47,13 @@ def _ddp(model, case: TrainCase, **group):
         names = [n for n, p in model.named_parameters() if any(p is q for q in skip.parameters())]
         DDP._set_params_and_buffers_to_ignore_for_model(model, names)
     ddp = DDP(model, **group, **case.ddp.kwargs())
-    register_comm_hook(ddp, case, group.get("process_group") or group["device_mesh"].get_group())
+    if case.ddp.comm_hook is not None:
+        register_comm_hook(ddp, case, ddp.process_group)
     return ddp
 
 
 def register_comm_hook(ddp, case: TrainCase, group) -> None:
     """The case's built-in communication hook, on a DDP or a DDP-based replicate."""
-    if case.ddp.comm_hook is None:
-        return
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     hook = {"allreduce": default_hooks.allreduce_hook, "fp16_compress": default_hooks.fp16_compress_hook,
@@ -81,7 +80,8 @@ def wrap_replicate(model, case: TrainCase, mesh, impl) -> Wrapped:
 
     skip = ignored(model, case)
     replicate(model, device_mesh=dp_mesh(case, mesh), ignored_modules=[skip] if skip else None, **case.ddp.kwargs())
-    register_comm_hook(model, case, mesh["dp"].get_group())  # registered when replicate builds its DDP
+    if case.ddp.comm_hook is not None:  # registered when replicate builds its DDP
+        register_comm_hook(model, case, dp_mesh(case, mesh).get_group())
     return Wrapped(model, model, lambda: _replicate_no_sync(model))
 
 
@@ -219,8 +219,9 @@ def hidden_layouts(inner: nn.Module, case: TrainCase, mesh) -> dict:
 def _ddp_keywords() -> set[str]:
     from tpdp_verify.cases.training import DDPOptions
 
-    every = DDPOptions(bucket_cap_mb=1.0, bucket_cap_mb_list=(1.0,), init_sync=False, skip_all_reduce_unused_params=True,
-                       batched_grad_copy=True)  # mixed_precision: CUDA-only, no case draws it (coverage.REASONS)
+    # mixed_precision: CUDA-only, no case draws it (coverage.REASONS)
+    every = DDPOptions(bucket_cap_mb=1.0, bucket_cap_mb_list=(1.0,), init_sync=False,
+                       skip_all_reduce_unused_params=True, batched_grad_copy=True)
     return set(every.kwargs())
 
 

@@ -44,13 +44,16 @@ REASONS = {
     "dim": "the dimension DP splits the batch on; every case splits dim 0",
     "broadcast_buffers": "torch 2.13's deprecated name of forward_sync_buffers, which cases set",
     "check_reduction": "deprecated: does nothing",
-    ("DistributedDataParallel", "mixed_precision"): "DDP's _MixedPrecision is CUDA-only in torch 2.13: its root copy hook records CUDA events "
-                       "('cpu backend doesn't support events' on the CPU, with or without TP); gloo cases cannot run it",
-    "delay_all_reduce_named_params": "needs the parameter whose gradient autograd computes last (param_to_hook_all_reduce), "
-                                     "which depends on the model's forward; torch 2.13 launches that all-reduce "
-                                     "asynchronously and never waits on it, a race with the optimizer step on gloo",
+    ("DistributedDataParallel", "mixed_precision"):
+        "DDP's _MixedPrecision is CUDA-only in torch 2.13: its root copy hook records CUDA events "
+        "('cpu backend doesn't support events' on the CPU, with or without TP); gloo cases cannot run it",
+    "delay_all_reduce_named_params":
+        "needs the parameter whose gradient autograd computes last (param_to_hook_all_reduce), which depends on "
+        "the model's forward; torch 2.13 launches that all-reduce asynchronously and never waits on it, a race "
+        "with the optimizer step on gloo",
     "param_to_hook_all_reduce": "with delay_all_reduce_named_params only",
-    "offload_policy": "CPUOffloadPolicy keeps parameters on the CPU between steps: the CPU ranks hold them there already",
+    "offload_policy":
+        "CPUOffloadPolicy keeps parameters on the CPU between steps: the CPU ranks hold them there already",
     "dp_mesh_dims": "the whole mesh with its DP dims named, an alternative to passing mesh['dp'] that no case draws "
                     "yet (torch 2.13 added it)",
 }
