@@ -94,6 +94,14 @@ def extended(case) -> bool:
     return case.ddp != first or case.fsdp != FSDP2Options() or case.habits != Habits()
 
 
+# Habits.between: the last block the step's forward ran, called directly (ranks/loop.py).
+DIRECT = "submodule"
+
+
+def direct_under_fsdp(case) -> bool:
+    return case.entry not in DDP_ENTRIES and case.habits.between == DIRECT
+
+
 # The zoo models whose vocab TP shards (an embedding, a vocab-sharded head).
 VOCAB_MODELS = ("llama_lm", "tied")
 
@@ -223,6 +231,14 @@ HALF_AGAINST_ONE_DEVICE = Exclusion(
     "docs/tolerance.md#options-that-round-to-half-precision",
     rounds_to_half)
 
+DIRECT_CALL_UNDER_FSDP = Exclusion(
+    "direct_call_under_fsdp", TRAINING,
+    "a block called directly between steps under FSDP1, fully_shard or its replicate, which wrap "
+    "the root only: between forwards the block's parameters are flat shards or dp-sharded "
+    "DTensors, which only a wrapped module's forward gathers; it raises without TP too",
+    "docs/properties.md#training-habits",
+    direct_under_fsdp)
+
 CHECKPOINT_OPTIONS = Exclusion(
     "checkpoint_options_and_habits", CHECKPOINTS,
     "checkpoints with the entry points' newer options or training habits set (comm hooks, "
@@ -251,7 +267,7 @@ EXCLUSIONS = (
     FSDP_EMPTY_SHARD, VOCAB_EMPTY_SHARD, CHECKPOINT_OPTIMIZER_TIMING, CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE, FSDP1_CHECKPOINT_MODELS,
     FSDP1_CHECKPOINT_UNEVEN, TREES_WITHOUT_PARAMETERS, CHUNK_TENSOR_HSDP, HALF_AGAINST_ONE_DEVICE,
-    CHECKPOINT_OPTIONS,
+    CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP,
 )
 
 # What checkpoint_cases keeps of FSDP1: training works, so there is something to checkpoint.

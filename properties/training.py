@@ -39,6 +39,7 @@ from tpdp_verify.fixtures.zoo import ZOO
 from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import (
     CPU_COMM_HOOKS,
+    DIRECT,
     OUTSIDE_CONTRACT,
     can_freeze,
     can_ignore,
@@ -89,9 +90,12 @@ def sound(case: TrainCase) -> bool:
 # clip_grad_norm_ over the model's parameters sees the local shards DDP holds, or, under
 # FSDP2, DTensors on two meshes (a plan that leaves some parameter unsharded by TP);
 # activation checkpointing under DDP recomputes a block after the transform made its
-# parameters local shards.
+# parameters local shards; a block called directly between steps meets those shards too
+# (the transform's hooks are the root's: torch 2.13 passes only by its fault 1, which
+# leaves the DTensors behind). Under FSDP the same call departs without TP: the exclusion
+# direct_call_under_fsdp.
 def sound_habits(entry: str, habits: Habits) -> bool:
-    return habits.clip is None and not (habits.checkpoint and entry in DDP_ENTRIES)
+    return habits.clip is None and not (entry in DDP_ENTRIES and (habits.checkpoint or habits.between == DIRECT))
 
 
 def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
@@ -138,9 +142,10 @@ def habits(draw, model: str, entry: str, sound: bool = False) -> Habits:
     """What users do around the wrapper; a module to ignore only where the model has one
     to spare (tpdp_verify.ranks.loop.ignorable). ``sound``: only habits ``sound_habits``
     keeps, drawn directly (a filter would reject most draws)."""
+    between = tuple(b for b in BETWEEN if b != DIRECT or (entry in DDP_ENTRIES and not sound))
     return Habits(clip=None if sound else draw(st.sampled_from(CLIPS)),
                   checkpoint=draw(st.booleans()) and not (sound and entry in DDP_ENTRIES),
-                  between=draw(st.sampled_from(BETWEEN)), set_to_none=draw(st.booleans()),
+                  between=draw(_one_of(between)), set_to_none=draw(st.booleans()),
                   ignored=draw(_ignored(model)))
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-from tpdp_verify.cases.training import BUILT
+from tpdp_verify.cases.training import BETWEEN, BUILT
 from tpdp_verify.fixtures.zoo import ZOO
 from tpdp_verify.properties import ALL, EXCLUSIONS
 from tpdp_verify.properties.exclusions import VOCAB_MODELS
@@ -62,6 +62,9 @@ UNFILTERED = {
     "chunk_tensor_hsdp": fsdp_cases,
     "half_precision_against_one_device": lambda ws: train_cases(ws, half=True),
     "checkpoint_options_and_habits": train_cases,
+    "direct_call_under_fsdp": lambda ws: _redraw(
+        train_cases(ws, entries=("fsdp1", "fully_shard", "replicate_fsdp")), "habits",
+        lambda c: st.sampled_from(BETWEEN).map(lambda b: replace(c.habits, between=b))),
 }
 
 IDS = [x.name for x in EXCLUSIONS]

@@ -9,9 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tpdp_verify.cases.training import Habits, TrainCase
 from tpdp_verify.fixtures import ZOO
+from tpdp_verify.judging.verdict import Verdict, _direct
+from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
 from tpdp_verify.oracles.verdicts import verdict_one_device
 from tpdp_verify.properties.training import (
     SOUND_TRAINING,
@@ -102,6 +105,40 @@ def test_activation_checkpointing_under_ddp_meets_local_shards_with_a_transform_
     assert "CheckpointError" in verdict_one_device(tpdp_pool, "reference", case, lambda signature: False).report()
     assert not any(c.name == "every rank trains without an exception" and not c.ok
                    for c in verdict_one_device(tpdp_pool, "torch", case, lambda signature: False).checks)
+
+
+def test_a_block_called_directly_under_ddp_meets_local_shards_with_a_transform_that_keeps_the_registry(tpdp_pool):
+    """docs/known-divergences.md, fault 9: the transform's hooks are the root's, so between
+    forwards a TP block holds local shards; torch 2.13 escapes through fault 1 and its
+    direct output is compared, and right, at every step."""
+    case = TrainCase(model="mlp", mesh_shape=(1, 2), entry="ddp_mesh", steps=2, habits=Habits(between="submodule"))
+    reference = verdict_one_device(tpdp_pool, "reference", case, lambda signature: False).report()
+    assert "calling w2 directly between steps" in reference and "mixed torch.Tensor and DTensor" in reference
+    verdict = verdict_one_device(tpdp_pool, "torch", case, lambda signature: False)
+    direct = [r for r in verdict.rows if r.what == "direct output"]
+    assert [r.step for r in direct] == [1, 2] and all(r.err.ok for r in direct), verdict.report()
+
+
+@pytest.mark.parametrize("entry", ["fsdp1", "fully_shard", "replicate_fsdp"])
+def test_a_block_called_directly_under_fsdp_raises_without_tp_too(tpdp_pool, entry):
+    """The exclusion direct_call_under_fsdp: the wrapper's own contract, not the composition's."""
+    case = TrainCase(model="mlp", mesh_shape=(2, 1), entry=entry, habits=Habits(between="submodule"))
+    errors = {t.error for t in tpdp_pool.run(observe_plain_ddp, case)}
+    assert all("calling w2 directly between steps" in e for e in errors), errors
+
+
+def test_a_direct_output_is_put_back_from_tp_shards_and_judged():
+    """Each dp group's tp pieces, shards along one dimension, against the oracle's rows; a
+    wrong piece departs; pieces that make no oracle shape are a failing check."""
+    exact = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    groups = [[exact[:2, :3], exact[:2, 3:]], [exact[2:, :3], exact[2:, 3:]]]
+    for pieces, ok in ((groups, True), ([groups[0], [exact[2:, :3], exact[2:, 3:] + 1]], False)):
+        verdict = Verdict()
+        _direct(1, ("w2", pieces), ("w2", exact), ("w2", exact), verdict, torch.float32)
+        assert [r.err.ok for r in verdict.rows] == [ok] and all(c.ok for c in verdict.checks)
+    verdict = Verdict()
+    _direct(1, ("w2", [[exact[:2, :2]], [exact[2:, :2]]]), ("w2", exact), ("w2", exact), verdict, torch.float32)
+    assert not verdict.rows and [c.ok for c in verdict.checks] == [False]
 
 
 def test_sequence_parallel_thaws_frozen_parameters():

@@ -140,14 +140,16 @@ class Habits:
 
     clip: float | None = None  # clip_grad_norm_(model.parameters(), clip) before each step
     checkpoint: bool = False  # activation checkpointing of every block (torch's composable checkpoint)
-    between: str = ""  # between steps: "eval" (eval(), a no_grad forward, train()) or "no_grad" (a forward)
+    # between steps: "eval" (eval(), a no_grad forward, train()), "no_grad" (a forward), or
+    # "submodule" (the model's last block called directly under no_grad, as a user probes it)
+    between: str = ""
     set_to_none: bool = True  # zero_grad(set_to_none=...) after each step
     # the model's first child left out of DP (its ignore list): "frozen" by the user, or
     # "trained" with its gradients averaged over dp by the user, after the last backward
     ignored: str = ""
 
 
-BETWEEN = ("", "eval", "no_grad")
+BETWEEN = ("", "eval", "no_grad", "submodule")
 IGNORED = ("frozen", "trained")
 
 # Meshes a user can cross, which the entry points must refuse or train through exactly:

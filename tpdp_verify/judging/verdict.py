@@ -205,6 +205,12 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     whole.outputs = [{name: torch.cat([g[name] for g in parts]) for name in parts[0] if all(name in g for g in parts)}
                      for parts in zip(*outputs)]
     whole.losses = [sum(parts) / len(parts) for parts in zip(*losses)]
+    # each step: the block called directly, and each dp group's tp pieces of its output
+    # (judging puts a tp shard back against the oracle's shape)
+    whole.direct = [(traces[0].direct[i][0], [[t.direct[i][1] for t in g] for _, g in sorted(groups.items())])
+                    for i in range(min(len(t.direct) for t in traces))]
+    called = {tuple(n for n, _ in t.direct) for t in traces}
+    problems += [f"ranks called different blocks directly: {sorted(called)}"] if len(called) > 1 else []
     # each step: every rank's own total gradient norm, each judged against the oracle's
     whole.norms = [{f"seen by rank {r}": norm for r, norm in enumerate(norms)}
                    for norms in zip(*(t.norms for t in traces))]
@@ -264,6 +270,11 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
         _values("output", i, o, b, s, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
         _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
+    for i, (o, b, s) in enumerate(zip(observed.direct, baseline.direct, shadow.direct), 1):
+        _direct(i, o, b, s, v, dtype)
+    if len(observed.direct) != len(shadow.direct):
+        v.checks.append(Check("calls a block directly as often as the oracle", False,
+                              f"{len(observed.direct)} direct calls, the oracle {len(shadow.direct)}"))
     _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.norms, baseline.norms, shadow.norms), 1):
         _values("gradient norm", i, {k: torch.tensor(x) for k, x in o.items()}, _per_rank(b, o), _per_rank(s, o),
@@ -296,6 +307,37 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
         v.checks.append(Check("compared at least one value a parameter", False,
                               f"compared {len(v.rows)} values for {len(shadow.params[0])} parameters"))
     return v
+
+
+def _direct(step: int, observed: tuple, baseline: tuple, shadow: tuple, out: Verdict, dtype: torch.dtype) -> None:
+    """A block called directly between steps (Habits.between "submodule"): its output, put
+    together from what the runs hold, against the oracle's."""
+    name, exact = shadow
+    if observed[0] != name:
+        out.checks.append(Check("calls the oracle's block directly", False,
+                                f"step {step}: called {observed[0]}, the oracle {name}"))
+        return
+    got, base = _put_together(observed[1], exact.shape), _put_together(baseline[1], exact.shape)
+    if got is None or base is None:
+        held = observed[1] if got is None else baseline[1]
+        out.checks.append(Check("a block's direct output puts back together", False,
+                                f"step {step}: {name}: pieces of shapes {[[tuple(p.shape) for p in g] for g in held]} "
+                                f"make no {tuple(exact.shape)}"))
+        return
+    key = f"{name} called directly"
+    _values("direct output", step, {key: got}, {key: base}, {key: exact}, out, dtype)
+
+
+def _put_together(held, shape: torch.Size) -> torch.Tensor | None:
+    """A direct call's output as a run holds it: one device's tensor, or each dp group's tp
+    pieces (whole, or shards along one dimension), the groups' rows stacked."""
+    if isinstance(held, torch.Tensor):
+        return held
+    if shape[0] % len(held):
+        return None
+    rows = torch.Size([shape[0] // len(held), *shape[1:]])
+    parts = [_whole(pieces, rows) for pieces in held]
+    return None if any(p is None for p in parts) else torch.cat(parts)
 
 
 def _per_rank(norm, ranks: dict) -> dict:
