@@ -20,6 +20,7 @@ from tpdp_verify.properties.registry import (
     ignored_params_untouched,
     paths_resolve,
     registry_preserved,
+    tp_keeps_requires_grad,
 )
 from tpdp_verify.properties.roundtrip import flatten_roundtrip
 from tpdp_verify.properties.training import (
@@ -29,8 +30,9 @@ from tpdp_verify.properties.training import (
 )
 from tpdp_verify.properties.wiring import miswiring_refused_or_exact
 
-# The transform's structure, then training (miswired too), then checkpoints, then FSDP1's extension.
-ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched,
+# The transform's structure (and TP's own registry), then training (miswired too), then
+# checkpoints, then FSDP1's extension.
+ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched, tp_keeps_requires_grad,
        trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device, miswiring_refused_or_exact,
        state_dict_like_unsharded, entry_points_state_dict_like_unsharded,
        checkpoint_resumes, entry_points_checkpoint_resume,

@@ -1,4 +1,5 @@
-"""Structure: parameter paths resolve to their owners, and the transform keeps the registry.
+"""Structure: parameter paths resolve to their owners, the transform keeps the registry,
+and so does TP itself, for what a user froze before applying it.
 
 DDP, ``replicate`` and checkpointing find a model's parameters through its registry
 (``named_parameters()``, ``parameters()``, ``state_dict()``). The TP->DP transform swaps
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.cases.trees import TreeCase
 from tpdp_verify.judging.verdict import Verdict
 from tpdp_verify.properties.exclusions import TREES_WITHOUT_PARAMETERS
@@ -193,3 +195,55 @@ def observe_ignored(case: TreeCase, mask: int, impl_name: str) -> list[Check]:
 def ignored_params_untouched(pool, impl: str, case: TreeCase, mask: int) -> None:
     """localize_dtensor(ignored_params=S) leaves every parameter in S, and plain ones, as they were."""
     Verdict.of_ranks(pool.run(observe_ignored, case, mask, impl)).raise_if_failed()
+
+
+# --------------------------------------------------------------------------- TP itself
+
+
+@st.composite
+def tp_cases(draw, world_size: int) -> TrainCase:
+    """A zoo model and size on a (dp, tp) mesh of ``world_size``: what TP is applied to."""
+    from tpdp_verify.fixtures.zoo import ZOO
+    from tpdp_verify.properties.training import meshes
+
+    mesh = draw(st.sampled_from(meshes(world_size)))
+    model = draw(st.sampled_from(tuple(ZOO)))
+    return TrainCase(model=model, size=draw(ZOO[model].sizes(mesh[1])), mesh_shape=mesh)
+
+
+@observing
+def observe_tp_requires_grad(case: TrainCase, mask: int) -> list[Check]:
+    """On every rank: freeze the parameters ``mask`` picks (by registration order), apply the
+    fixture's TP as the training runs do, and compare every parameter's requires_grad."""
+    from tpdp_verify.ranks.loop import build, fixture
+    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.tp_dp import MESH_DIMS, apply_tp
+
+    model = build(case)
+    for i, (_, p) in enumerate(model.named_parameters()):
+        if mask >> i & 1:
+            p.requires_grad_(False)
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    fx = fixture(case)
+    model = apply_tp(fx, case, model, device_mesh(case.mesh_shape, MESH_DIMS))
+    if fx.after_parallelize is not None:
+        fx.after_parallelize(model)
+    after = {n: p.requires_grad for n, p in model.named_parameters()}
+    return [Check("TP keeps requires_grad", after.get(n) == wanted,
+                  f"{n}: requires_grad {wanted} before TP, {after.get(n, 'no such parameter')} after")
+            for n, wanted in before.items()]
+
+
+def every_model_frozen(strategies: dict) -> list[dict]:
+    """Each zoo model's simplest case with every parameter frozen, before any drawn one: a
+    style that thaws shows on the first case of its model, whatever the draw meets."""
+    from tpdp_verify.properties.training import every_model
+
+    return [{**covered, "mask": 2**24 - 1} for covered in every_model(strategies)]
+
+
+@tpdp_property(case=tp_cases, mask=st.integers(0, 2**24 - 1), cover=every_model_frozen)
+def tp_keeps_requires_grad(pool, impl: str, case: TrainCase, mask: int) -> None:
+    """TP (each zoo model's plan or parallelize function) leaves every parameter's requires_grad as the user set it."""
+    # torch's TP whatever ``impl`` names: no transform runs here
+    Verdict.of_ranks(pool.run(observe_tp_requires_grad, case, mask)).raise_if_failed()

@@ -21,6 +21,7 @@ from tpdp_verify.properties import (
     entry_points_checkpoint_resume,
     entry_points_state_dict_like_unsharded,
     entry_points_train_like_one_device,
+    tp_keeps_requires_grad,
 )
 from tpdp_verify.runner.gate import _heartbeat
 from tpdp_verify.runner.property import Stats
@@ -30,10 +31,10 @@ ALL = tuple(p for p in ALL if p.min_world_size <= 2)  # what the smoke profile r
 # On torch 2.13.0 every property departs on its simplest case (docs/known-divergences.md)
 # but FSDP1's extension's three: smoke's 10 draws meet their faults, or not, as the draw
 # goes (a derandomized draw changes with the property's code). With the reference
-# transform, only torch's entry points' own departures remain.
+# transform, only torch's entry points' own departures remain, and TP's own (fault 7).
 DRAWN_BY_LUCK = (chunk_dtensor_layout, all_gather_dtensor_full, chunk_tensor_metadata)
-REFERENCE_DEPARTS = (entry_points_train_like_one_device, entry_points_state_dict_like_unsharded,
-                     entry_points_checkpoint_resume)
+REFERENCE_DEPARTS = (tp_keeps_requires_grad, entry_points_train_like_one_device,
+                     entry_points_state_dict_like_unsharded, entry_points_checkpoint_resume)
 
 
 def cli(command, *args, cwd=None):

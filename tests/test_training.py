@@ -13,6 +13,7 @@ import torch
 
 from tpdp_verify.cases.training import Habits, TrainCase
 from tpdp_verify.fixtures import ZOO
+from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.judging.verdict import Verdict, _direct
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
 from tpdp_verify.oracles.verdicts import verdict_one_device
@@ -23,10 +24,11 @@ from tpdp_verify.properties.training import (
     trains_like_one_device,
     trains_like_plain_ddp,
 )
+from tpdp_verify.properties.registry import tp_keeps_requires_grad
 from tpdp_verify.runner import baseline
 
 import mutants
-from helpers import divergences
+from helpers import divergences, the_one
 
 FSDP1_MODELS = tuple(m for m in ZOO if m not in ("tied", "frozen", "unused"))
 
@@ -152,6 +154,24 @@ def test_sequence_parallel_thaws_frozen_parameters():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert "SequenceParallel: frozen weight requires_grad after parallelize_module = True" in out.stdout, out
     assert "ColwiseParallel: frozen weight requires_grad after parallelize_module = False" in out.stdout, out
+
+
+def test_tp_keeps_requires_grad_meets_sequence_parallel_thawing(tpdp_pool, tpdp_profile):
+    """Fault 7 as the gate's search meets it, shrunk to llama_sp with its first parameter (a
+    SequenceParallel norm's weight) frozen; with every parameter frozen, exactly the zoo
+    models whose plans use SequenceParallel thaw."""
+    found, stats = divergences(tp_keeps_requires_grad, tpdp_pool, "torch", tpdp_profile)
+    message, drawn = the_one(found, stats, "TP keeps requires_grad")
+    assert drawn["case"].model == "llama_sp" and drawn["mask"] == 1, drawn
+    assert "attention_norm.weight: requires_grad False before TP, True after" in message
+    thawed = set()
+    for model in ZOO:
+        try:
+            tp_keeps_requires_grad.fn(tpdp_pool, "torch", case=TrainCase(model=model, mesh_shape=(1, 2)),
+                                      mask=2**24 - 1)
+        except Divergence:
+            thawed.add(model)
+    assert thawed == {"llama_sp", "llama_lm"}
 
 
 @pytest.mark.parametrize("mutant", mutants.TRAINING_MUTANTS, ids=lambda m: m.__name__)

@@ -54,8 +54,10 @@ REASONS = {
     "param_to_hook_all_reduce": "with delay_all_reduce_named_params only",
     "offload_policy":
         "CPUOffloadPolicy keeps parameters on the CPU between steps: the CPU ranks hold them there already",
-    "dp_mesh_dims": "the whole mesh with its DP dims named, an alternative to passing mesh['dp'] that no case draws "
-                    "yet (torch 2.13 added it)",
+    "dp_mesh_dims": "takes parameters that are already DTensors on the whole (dp, tp) mesh, Replicate() on the dp "
+                    "dims; parallelize_module's styles place them on the 1-D tp sub-mesh, which fully_shard and its "
+                    "replicate then refuse ('Expected param's DTensor mesh to be the same mesh passed to "
+                    "fully_shard'): a user of parallelize_module cannot pass it",
 }
 
 
