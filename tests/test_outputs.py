@@ -108,3 +108,16 @@ def test_a_plan_report_renders_as_json_junit_and_markdown_that_agree():
     markdown = outputs.to_markdown(record)
     assert markdown.startswith("# tpdp-verify plan: m:make: DIVERGES")
     assert "| trains without an exception | FAIL | 1 | trains without an exception: rank 1: in the forward of up: boom \\| bang |" in markdown
+
+
+def test_a_plan_report_files_every_kind_of_value_the_training_judge_compares():
+    """Each Row.what of tpdp_verify.judging.verdict (habits' kinds too) lands in a report line."""
+    from tpdp_verify.cases.training import TrainCase
+    from tpdp_verify.judging.tolerance import Error
+    from tpdp_verify.judging.verdict import Row, Verdict
+    from tpdp_verify.report import Report
+
+    kinds = ("output", "loss", "gradient", "gradient norm", "direct output", "parameter", "optimizer state", "buffer")
+    one = Verdict(rows=[Row(kind, 1, "x", Error(0.0, 0.0, 1.0)) for kind in kinds])
+    report = Report.of(TrainCase(model="m:make", mesh_shape=(1, 2)), 1, one, Verdict(against="plain DDP"), "replay")
+    assert sum(line.compared for line in report.lines) == 1 + len(kinds)  # the plan key, then each value

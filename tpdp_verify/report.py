@@ -35,7 +35,7 @@ CHECKS = {
 
 _BY_KIND = {"output": "forward output", "loss": "forward output", "gradient": "gradients vs one device",
             "parameter": "parameters after each step", "optimizer state": "optimizer state",
-            "buffer": "buffers"}
+            "buffer": "buffers", "gradient norm": "gradients vs one device", "direct output": "forward output"}
 
 
 def _section(name: str) -> str:

@@ -25,7 +25,9 @@ from tpdp_verify.ranks.pieces import merge_named
 class Row:
     """One compared value: a parameter's gradient at a step, an output, a state tensor."""
 
-    what: str  # "gradient", "parameter", "optimizer state", "output", "loss", "buffer"
+    # "gradient", "parameter", "optimizer state", "output", "loss", "buffer", and with
+    # habits, "gradient norm" and "direct output"
+    what: str
     step: int  # 1-based optimizer step (microbatch for outputs and losses); 0 = before training
     name: str
     err: Error
