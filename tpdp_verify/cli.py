@@ -37,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--baseline", metavar="FILE",
                       help="known divergences (a file, or a shipped name such as torch-2.13.0): exit 1 "
                       "only on new ones or known ones that changed")
+    gate.add_argument("--baseline-python", metavar="PATH",
+                      help="judge by replay: run each failure's case again, same case and seed, on the torch "
+                      "of the environment whose python this is (the previous release); known when it fails "
+                      "the same way there, NEW otherwise. No file needed; docs/cli.md")
+    gate.add_argument("--baseline-impl", metavar="IMPL",
+                      help="judge by replay on another implementation in this interpreter (torch, reference or "
+                      "a dotted path), as --baseline-python does on another torch")
     gate.add_argument("--update-baseline", action="store_true",
                       help="write this run's divergences to --baseline FILE as the known ones (each "
                       "property searches on past every failure it finds, so this takes longer)")
@@ -149,16 +156,20 @@ def _gate(args: argparse.Namespace) -> int:
     files = _outputs(args, "json", "junit", "markdown")  # before torch loads: fail fast
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
+    replaying = [f"--{o.replace('_', '-')}" for o in ("baseline", "baseline_python", "baseline_impl") if getattr(args, o)]
+    if len(replaying) > 1:
+        raise UsageError(f"{' and '.join(replaying)} are two baselines: give one (a file, or a side to replay on)")
     from tpdp_verify import outputs
     from tpdp_verify.ranks import pool
 
     pool.warm_up()  # the ranks' torch imports while this process imports its own
-    from tpdp_verify.runner import baseline
-    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
+    from tpdp_verify.runner import baseline, replay
     from tpdp_verify.runner.suite import load as load_suite
 
-    known = None
-    if args.update_baseline:
+    known, side = None, None
+    if args.baseline_impl:
+        side = replay.ImplSide(args.baseline_impl)
+    elif args.update_baseline:
         outputs.check_writable({"--baseline": args.baseline})
         known = baseline.recorded(args.baseline)  # merged: each draw meets only some faults
     elif args.baseline:
@@ -167,23 +178,43 @@ def _gate(args: argparse.Namespace) -> int:
     profile = profiles.get(args.profile)
     suite = load_suite(args.suite)
     logs = _quiet(args)
+    if args.baseline_python:
+        print(f"baseline: starting {args.baseline_python}", flush=True)
+        side = replay.PythonSide(args.baseline_python, args.suite, args.backend, args.timeout, logs)
+    budget = replay.Budget(profile.replay_total)
+    try:
+        return _run_gate(args, files, profile, suite, logs, known, side, budget)
+    finally:
+        if side:
+            side.close()
+
+
+def _run_gate(args, files, profile, suite, logs, known, side, budget) -> int:
+    from tpdp_verify import outputs
+    from tpdp_verify.runner import baseline, replay
+    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
+
     started, start, outcomes = outputs.now(), time.monotonic(), []
     judged = None
 
     def record(code: int, error: str = "") -> dict:
         return outputs.gate_record(outcomes, profile, args.impl, args.backend, time.monotonic() - start,
-                                   code, started, error, baseline=args.baseline if known else "",
+                                   code, started, error, baseline=side.what if side else args.baseline if known else "",
                                    judged=judged, excluded=suite.exclusion_records(), seed=args.seed)
 
     try:
         for outcome in iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
                                  progress=lambda line: print(line, flush=True),
                                  known=baseline.known_parts(known[1]) if known else None,
-                                 learn=args.update_baseline, seed=args.seed, rank_output=logs):
+                                 learn=args.update_baseline, seed=args.seed, rank_output=logs,
+                                 judge=(lambda prop, pool, stats: replay.Replayed(side, prop, pool, stats, budget))
+                                 if side else None):
             outcomes.append(outcome)
         if known:
             with rerunner(suite.properties, args.impl, args.backend, args.timeout, logs) as rerun:
                 judged = baseline.judge(outcomes, known[1], rerun)
+        elif side:
+            judged = replay.judge(outcomes)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
         outputs.write(files, record(EXIT_INFRA, str(exc)))
         raise
@@ -197,7 +228,9 @@ def _gate(args: argparse.Namespace) -> int:
     code = exit_code(outcomes)
     if judged is not None:
         print()
-        print(baseline.judgement_report(judged, known[0], args.baseline, args.update_baseline))
+        print(baseline.judgement_report(judged, known[0], args.baseline, args.update_baseline) if known else
+              baseline.judgement_report(judged, {}, "", title=f"baseline {side.what}: each failure's case replayed "
+                                        "there; known when it fails the same way"))
     if args.update_baseline and code != EXIT_INFRA:
         count = baseline.write(args.baseline, outcomes, profile.name, args.impl, judged.not_run if judged else ())
         kept = f" (its recorded cases kept where they still fail, {len(judged.fixed)} fixed dropped)" if judged else ""

@@ -251,14 +251,14 @@ def rerun_finding(listed: Known, now: signature.Signature, status: str):
     return Finding(text, "", listed.kind, listed.drawn(), now or listed.signature, status)
 
 
-def judgement_report(j: Judgement, header: dict, name: str, updating: bool = False) -> str:
+def judgement_report(j: Judgement, header: dict, name: str, updating: bool = False, title: str = "") -> str:
     width = max([len(k.property) for k in j.known + j.new + j.fixed + j.not_run + [c for c, _ in j.changed]]
                 + [8])
 
     def line(label: str, k: Known, extra: str = "") -> str:
         return f"  {label:<8} {k.property:<{width}} world {k.world_size}  {k.kind}{extra}"
 
-    out = [f"baseline {name}: recorded on torch {header.get('torch')} with profile {header.get('profile')}"]
+    out = [title or f"baseline {name}: recorded on torch {header.get('torch')} with profile {header.get('profile')}"]
     out += [line("NEW", k, f": {k.summary}") for k in j.new]
     out += [line("CHANGED", k, f": {now}") for k, now in j.changed]
     out += [line("FIXED", k, ": its recorded case passes now") for k in j.fixed]

@@ -27,7 +27,7 @@ from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.runner import coverage
 from tpdp_verify.runner.profiles import Profile
-from tpdp_verify.runner.property import Property, Stats, finding
+from tpdp_verify.runner.property import Judge, Property, Stats, finding
 
 # once ranks have hung, a call counts as hung after 5x the slowest call that answered (the
 # pool's after_hang): a build that hangs, hangs in many cases, and a full timeout each is hours
@@ -94,13 +94,14 @@ def _failure_text(exc: BaseException, reported: list[str]) -> str:
 
 def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
                    progress: Callable[[str], None] | None = None, every: float = 60.0,
-                   known: set[str] | None = None, learn: bool = False) -> Outcome:
+                   known: set[str] | Judge | None = None, learn: bool = False,
+                   stats: Stats | None = None) -> Outcome:
     """Run one property; with ``progress``, say every ``every`` seconds that it still runs.
 
-    ``known``: the signature parts a baseline records for this property; ``learn``:
-    writing a baseline (see Property.run).
+    ``known``: the signature parts a baseline records for this property, or a judge that
+    replays on the baseline; ``learn``: writing a baseline (see Property.run).
     """
-    stats, reported, findings = Stats(), [], []
+    stats, reported, findings = stats or Stats(), [], []
     start = time.monotonic()
     try:
         with with_reporter(reported.append), _heartbeat(prop.name, stats, progress, every):
@@ -196,13 +197,16 @@ def iter_gate(
     learn: bool = False,
     seed: int | None = None,
     rank_output: str | None = None,
+    judge: Callable[[Property, RankPool, Stats], Judge] | None = None,
 ) -> Iterator[Outcome]:
     """Each property's outcome as it comes, so that a run cut short keeps what it found.
 
     ``progress`` gets a line per property with the count done, the failures so far and
     the time since the start, and a line every ``every`` seconds a property runs.
     ``known``: property -> the signature parts a baseline records (tpdp_verify.runner.baseline);
-    ``learn``: search on past each failure found, to write a baseline; ``seed``: draw
+    ``judge``: instead, a property's judge on its pool (tpdp_verify.runner.replay: the
+    baseline run on each failure's case); ``learn``: search on past each failure found, to
+    write a baseline; ``seed``: draw
     other cases than the profile's fixed ones; ``rank_output``: a directory for the ranks'
     stdout and stderr (RankPool's output), else the terminal.
     """
@@ -221,9 +225,10 @@ def iter_gate(
                       after_hang=AFTER_HANG, output=rank_output) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
-                parts = None if known is None else known.get(prop.name, set())
+                stats = Stats()
+                parts = judge(prop, pool, stats) if judge else None if known is None else known.get(prop.name, set())
                 run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking)
-                outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn)
+                outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn, stats)
                 outcome.unshrunk = profile.shrink and not run_profile.shrink
                 outcome.rank_output = _set_aside(rank_output, world_size, prop.name) if rank_output else ""
                 shrinking += outcome.stats.shrink_seconds
@@ -260,6 +265,9 @@ def run_gate(properties: tuple[Property, ...], profile: Profile, impl: str = "to
 
 def _drew(o: Outcome) -> str:
     known = f", {o.stats.known} known only" if o.stats.known else ""
+    if o.stats.replays:
+        known += f" ({o.stats.replays} replayed on the baseline, {o.stats.replay_seconds:.0f} s" + (
+            f"; {o.stats.by_parts} by its parts shown" if o.stats.by_parts else "") + ")"
     short = f" FEWER THAN {o.wanted}" if o.short else ""
     return f"{o.stats.drawn:>4} drawn{short}{known}"
 
@@ -297,6 +305,13 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn}"
                                f"{', ' + o.stats.stopped_because if o.stats.stopped_because else ''})"
                                for o in short))
+    replays = sum(o.stats.replays for o in outcomes)
+    if replays:
+        by_parts = sum(o.stats.by_parts for o in outcomes)
+        out.append(f"replayed {replays} failures on the baseline in {sum(o.stats.replay_seconds for o in outcomes):.0f}"
+                   f" s (budget {profile.replay_total:g} s)" + (
+                       f"; once it was spent, {by_parts} failures showing only parts the baseline had shown "
+                       "were counted known without a replay" if by_parts else ""))
     unshrunk = [o for o in outcomes if o.unshrunk]
     if unshrunk:
         out.append(f"the gate spent its {profile.shrink_total:g} s of shrinking ({profile.name}); "

@@ -29,6 +29,9 @@ class Profile:
     # failure as first found. A build that breaks many properties (a crash in a path every
     # case takes) would otherwise spend shrink_seconds on each, twice.
     shrink_total: float = 1200
+    # the most a gate judged by replay (--baseline-python) spends replaying failures on the
+    # baseline before it counts those showing only parts already shown there as known
+    replay_total: float = 600
 
     def with_shrinking_left(self, seconds: float) -> "Profile":
         """This profile for a run that may spend only ``seconds`` more shrinking."""
@@ -49,8 +52,9 @@ PROFILES = {
     for p in (
         # smoke reports each property's first new failure unshrunk: with failures told apart
         # by signature, shrinking every one the search meets took minutes, not one
-        Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60),
-        Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300, shrink_seconds=60, shrink_total=180),
+        Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60, replay_total=20),
+        Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300, shrink_seconds=60, shrink_total=180,
+                replay_total=90),
         Profile("release", max_examples=200, world_sizes=(2, 4, 8), budget=1200, shrink_total=1200),
     )
 }

@@ -42,20 +42,38 @@ class Stats:
     failures: dict = field(default_factory=dict)
     cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
     learned: dict = field(default_factory=dict)  # writing a baseline: signature -> (text, drawn)
+    replays: int = 0  # failures run again on the baseline implementation (gate --baseline-python)
+    replay_seconds: float = 0.0  # the time those took, here and on the baseline's ranks
+    by_parts: int = 0  # failures judged by the parts the baseline had shown, its replay budget spent
+
+
+Judge = Callable[[signature.Signature, dict], bool]  # (a failure's signature, its case) -> known?
+
+
+class KnownParts:
+    """Known by a file baseline: every part of the failure is recorded for the property.
+    Learning a baseline adds each new failure's parts."""
+
+    def __init__(self, parts=()):
+        self.parts = set(parts)
+
+    def __call__(self, sig: signature.Signature, drawn: dict | None = None) -> bool:
+        return signature.known(sig, self.parts)
 
 
 class _Escape(BaseException):
     """Carries what is not a finding (the harness failing) out of hypothesis, unshrunk."""
 
 
-# The parts a baseline records for the property now running (None: no baseline).
-_KNOWN: contextvars.ContextVar[set | None] = contextvars.ContextVar("tpdp_known", default=None)
+# How the baseline judges the property now running (None: no baseline).
+_KNOWN: contextvars.ContextVar[Judge | None] = contextvars.ContextVar("tpdp_known", default=None)
 
 
 def known_now(sig: signature.Signature) -> bool:
-    """Whether the baseline of the property now running knows every part of ``sig``."""
+    """Whether the file baseline of the property now running knows every part of ``sig``:
+    a shortcut for reports, so never by replay (that needs the case, and costs a run)."""
     known = _KNOWN.get()
-    return known is not None and signature.known(sig, known)
+    return isinstance(known, KnownParts) and known(sig)
 
 
 def worth_explaining(sig: signature.Signature) -> bool:
@@ -102,6 +120,15 @@ def _part(traceback_text: str) -> str:
     return signature.raised_from_text(traceback_text)
 
 
+def _judged(known: Judge, sig: signature.Signature, drawn: dict) -> bool:
+    """``known(sig, drawn)``; the baseline side failing (its ranks would not start) is the
+    harness's failure, carried out of hypothesis, never a failure of the case."""
+    try:
+        return known(sig, drawn)
+    except Exception as exc:
+        raise _Escape(exc) from exc
+
+
 @contextlib.contextmanager
 def _shrinking_for(seconds: int):
     """Bound the time hypothesis spends shrinking one run (its engine's module constant)."""
@@ -134,13 +161,14 @@ class Property:
         return dataclasses.replace(self, strategies={**self.strategies, **strategies})
 
     def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None,
-            known: set[str] | None = None, learn: bool = False) -> Stats:
+            known: set[str] | Judge | None = None, learn: bool = False) -> Stats:
         """Run under ``profile`` on ``pool``; raise the failures found, after shrinking.
 
         ``impl`` names the implementation under test (see tpdp_verify.impls.select). ``known``,
-        the signature parts a baseline records for this property: an example whose every
-        failure is known is counted (``stats.known``) and the search goes on; only new
-        failures are raised, shrunk and replayed. ``learn`` (writing a baseline): a new
+        the signature parts a baseline records for this property, or a ``Judge`` (the
+        baseline implementation run on the same case, tpdp_verify.runner.replay): an example
+        whose every failure is known is counted (``stats.known``) and the search goes on; only
+        new failures are raised, shrunk and replayed. ``learn`` (writing a baseline): a new
         failure is added to ``known`` and kept with its case in ``stats.learned``, and the
         search goes on, so that one search meets every failure it can; the cases are the
         first that showed each failure, not shrunk. ``stats``, if given, is filled in as the
@@ -148,6 +176,8 @@ class Property:
         """
         stats = Stats() if stats is None else stats
         known = set() if learn and known is None else known
+        if known is not None and not callable(known):
+            known = KnownParts(known)
 
         @functools.wraps(self.fn)  # hypothesis seeds and names the test from the property
         def run_one(*args, **kwargs):
@@ -162,12 +192,12 @@ class Property:
                 if found is None:
                     raise _Escape(exc) from exc
                 drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
-                if known is not None and signature.known(found.signature, known):
+                if known is not None and _judged(known, found.signature, drawn):
                     stats.known += 1
                     stats.known_seen.setdefault(found.signature, drawn)
                     return
                 if learn:
-                    known.update(found.signature)
+                    known.parts.update(found.signature)
                     stats.learned[found.signature] = (str(found), drawn)
                     return
                 stats.failing = stats.failures[type(found).__name__] = drawn

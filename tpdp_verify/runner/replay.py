@@ -1,0 +1,249 @@
+"""Known by replay: a failure is known when the baseline implementation shows it on the same case.
+
+A baseline file records where one draw met each fault. Another draw (a seed, a profile, a
+new case dimension) meets the same faults in other cases, and a file cannot say whether the
+baseline torch fails there too. Replaying asks the baseline itself: each failure the search
+meets is run again, same case and seed, on the baseline side, and is known when the baseline
+shows every part of its signature there; anything more, or a departure the baseline does not
+show on that case, is NEW (even if its signature is recorded elsewhere). With the same code on
+both sides every failure is known by construction, whatever the seed, profile or case space.
+
+Two sides:
+
+- ``ImplSide``: another implementation in this interpreter, on the same ranks
+  (``gate --impl CANDIDATE --baseline-impl torch``);
+- ``PythonSide``: another environment's interpreter (``gate --baseline-python PATH``, one
+  that holds the previous release), serving replays from its own process and its own ranks:
+  nothing of the candidate's torch is imported there.
+
+A replay costs a run of the case, so a gate's replays have a budget: once spent, a failure
+every part of which the baseline has already shown for that property is counted known
+without a run (and counted as judged so); one with a part it has not shown is still replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tpdp_verify import signature
+from tpdp_verify.errors import PoolError, UsageError
+from tpdp_verify.runner.property import Property, Stats, finding
+
+
+class ReplayError(PoolError):
+    """The baseline side could not run a case: no verdict (exit 3), never a finding."""
+
+
+class ImplSide:
+    """The baseline is another implementation in this interpreter, run on the candidate's ranks."""
+
+    def __init__(self, impl: str):
+        from tpdp_verify.impls import select
+
+        select.load(impl)  # a bad name fails now, in one line
+        self.impl = impl
+        self.what = f"implementation {impl}"
+
+    def shows(self, prop: Property, pool, drawn: dict) -> signature.Signature:
+        return run_case(prop, pool, self.impl, drawn)
+
+    def close(self) -> None:
+        pass
+
+
+def run_case(prop: Property, pool, impl: str, drawn: dict) -> signature.Signature:
+    """What ``prop`` shows on ``drawn`` with ``impl``: its signature, () when it passes."""
+    try:
+        prop.fn(pool, impl, **drawn)
+    except Exception as exc:
+        found = finding(exc)
+        if found is None:
+            raise ReplayError(f"the baseline side failed running {prop.name}: {type(exc).__name__}: {exc}") from exc
+        return found.signature
+    return ()
+
+
+class PythonSide:
+    """The baseline is the torch of another environment: a server in that interpreter replays
+    cases on ranks of its own. It imports this tpdp-verify's code (a view of its packages on
+    its path), with that environment's torch, hypothesis and numpy."""
+
+    def __init__(self, python: str, suite: str, backend: str, timeout: float, rank_output: str | None):
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise UsageError(f"--baseline-python {python}: not an executable file; give the python of an "
+                             "environment that holds the baseline torch")
+        self._view = tempfile.TemporaryDirectory(prefix="tpdp-verify-baseline-")
+        _package_view(Path(self._view.name))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([self._view.name, os.getcwd()])}
+        env.pop("PYTHONHOME", None)
+        self._log = open(os.path.join(rank_output, "baseline-python.log"), "ab") if rank_output else None
+        self.process = subprocess.Popen(
+            [python, "-m", "tpdp_verify.runner.replay", suite, backend, str(timeout), rank_output or ""],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+            start_new_session=True)  # a Ctrl-C reaches this process, which stops the server itself
+        hello = self._reply("starting")
+        if "error" in hello:
+            self.close()
+            raise UsageError(f"--baseline-python {python}: {hello['error']}")
+        self.torch = hello["torch"]
+        self.what = f"torch {self.torch} ({python})"
+
+    def shows(self, prop: Property, pool, drawn: dict) -> signature.Signature:
+        from tpdp_verify.runner.baseline import entry
+
+        request = {**entry(prop.name, pool.world_size, (), drawn, "-").to_json(), "impl": "torch"}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = self._reply(f"replaying {prop.name}")
+        if "error" in reply:
+            raise ReplayError(f"the baseline python failed replaying {prop.name}: {reply['error']}")
+        return signature.of(reply["signature"])
+
+    def _reply(self, doing: str) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise ReplayError(f"the baseline python exited while {doing} (exit {self.process.poll()})"
+                              + (f"; its output is in {self._log.name}" if self._log else ""))
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # the server stops its ranks and exits at end of input
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log:
+            self._log.close()
+        self._view.cleanup()
+
+
+def _package_view(root: Path) -> None:
+    """``root/tpdp_verify``: this tpdp-verify's package as installed, its top-level folders
+    (properties, oracles, fixtures) in place, as links, for a python that has not installed it."""
+    import tpdp_verify
+    from tpdp_verify import fixtures, oracles, properties
+
+    package = root / "tpdp_verify"
+    package.mkdir()
+    source = Path(tpdp_verify.__file__).parent
+    for item in source.iterdir():
+        if item.name != "__pycache__":
+            (package / item.name).symlink_to(item)
+    for sub in (properties, oracles, fixtures):
+        link = package / sub.__name__.rsplit(".", 1)[1]
+        if not link.exists():
+            link.symlink_to(Path(sub.__file__).parent)
+
+
+class Budget:
+    """The seconds a gate may spend replaying before it judges by the parts already shown."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.spent = seconds, 0.0
+
+    @property
+    def left(self) -> bool:
+        return self.spent < self.seconds
+
+
+class Replayed:
+    """The judge of one property's search (tpdp_verify.runner.property.Judge)."""
+
+    def __init__(self, side, prop: Property, pool, stats: Stats, budget: Budget):
+        self.side, self.prop, self.pool, self.stats, self.budget = side, prop, pool, stats, budget
+        self.shown: set[str] = set()  # every part the baseline showed this property
+
+    def __call__(self, sig: signature.Signature, drawn: dict) -> bool:
+        if not sig:
+            return False
+        if not self.budget.left and set(sig) <= self.shown:
+            self.stats.by_parts += 1
+            return True
+        start = time.monotonic()
+        now = self.side.shows(self.prop, self.pool, drawn)
+        seconds = time.monotonic() - start
+        self.stats.replays += 1
+        self.stats.replay_seconds += seconds
+        self.budget.spent += seconds
+        self.shown.update(now)
+        return set(sig) <= set(now)
+
+
+def judge(outcomes):
+    """The run's findings as a baseline judgement: what the search raised is NEW (the baseline
+    did not show it on its case), what it counted as known is known."""
+    from tpdp_verify.runner.baseline import Judgement, entry
+
+    out = Judgement()
+    for o in outcomes:
+        for i, f in enumerate(o.findings):
+            if f.drawn is None:
+                continue
+            listed = entry(o.property, o.world_size, f.signature, f.drawn, f.failure or f.kind)
+            if f.status == "known":
+                out.known.append(listed)
+            else:
+                o.findings[i] = f._replace(status="NEW")
+                out.new.append(listed)
+        o.judged()
+    return out
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def serve(suite_name: str, backend: str, timeout: float, rank_output: str) -> None:
+    """Answer replays, a JSON line each, until the end of input. Runs in the baseline's python."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what anything else prints goes to the log, never into the replies
+    try:
+        import torch
+
+        from tpdp_verify.ranks.pool import RankPool
+        from tpdp_verify.runner.baseline import Known
+        from tpdp_verify.runner.suite import load
+    except ImportError as exc:
+        _send(replies, {"error": f"cannot import {exc.name or exc}: install tpdp-verify's dependencies there "
+                                 "(torch, hypothesis, numpy)"})
+        return
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a user's --suite, as the candidate's side imports it
+    suite = {p.name: p for p in load(suite_name).properties}
+    _send(replies, {"torch": torch.__version__})
+    pools: dict[int, RankPool] = {}
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            world_size = request["world_size"]
+            try:
+                if world_size not in pools:
+                    pools[world_size] = RankPool(world_size, backend, timeout=timeout, output=rank_output or None)
+                    pools[world_size].__enter__()
+                listed = Known(request["property"], world_size, (), request["case"], tuple(request["types"]))
+                shown = run_case(suite[request["property"]], pools[world_size], request["impl"], listed.drawn())
+                _send(replies, {"signature": list(shown)})
+            except Exception as exc:  # the harness here: the candidate reports it, exit 3
+                _send(replies, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+    finally:
+        for pool in pools.values():
+            pool.__exit__(None, None, None)
+
+
+def _send(replies, message: dict) -> None:
+    replies.write(json.dumps(message) + "\n")
+    replies.flush()
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the candidate stops this server by closing its input
+    serve(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])
