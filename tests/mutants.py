@@ -51,7 +51,7 @@ class CutsGradient(Reference):
     caught_by = 'requires_grad'
     # backward finds nothing to differentiate: torch raises (on every rank where nothing
     # else reaches the loss), and replicas that got no gradient disagree with those that did
-    training_caught_by = frozenset({"raised RuntimeError at torch/autograd/graph.py:_engine_run_backward",
+    training_caught_by = frozenset({"raised RuntimeError at torch/_tensor.py:backward",
                                     "replicas agree on grads", "gradient present where the oracle has one"})
 
     def unflatten_tensor(self, local, info):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tpdp_verify.properties import registry_preserved, trains_like_one_device, trains_like_plain_ddp
+from tpdp_verify.properties import (chunk_tensor_metadata, registry_preserved, trains_like_one_device,
+                                    trains_like_plain_ddp)
 from tpdp_verify.runner import baseline, profiles, replay
 from tpdp_verify.runner.gate import check_property
 from tpdp_verify.runner.property import Stats
@@ -47,6 +48,18 @@ def test_a_fault_only_the_candidate_has_is_new_where_its_signature_is_known_else
     assert outcome.status == "diverges" and judged.blocks
     assert any("value:gradient" in k.signature for k in judged.new), [k.signature for k in judged.new]
     assert all(f.replay for f in outcome.findings if f.status == "NEW")
+
+
+@pytest.mark.timeout(300)
+def test_overlapping_metadata_on_even_shards_is_new_though_torch_overlaps_uneven_ones(tpdp_pools):
+    """torch 2.13 overlaps uneven shards' metadata; a regression that overlaps even ones is
+    told apart by the replay of each case on torch, whatever the parts say."""
+    profile = dataclasses.replace(profiles.get("release"), world_sizes=(2,), shrink=False)  # 200 cheap examples
+    outcome, judged = replayed(chunk_tensor_metadata, tpdp_pools.get(2), "torch_mutants.ChunkBoxOffByOne",
+                               profile, replay.ImplSide("torch"))
+    assert judged.new and outcome.status == "diverges", outcome.findings
+    even = [f.drawn["case"] for f in outcome.findings if f.status == "NEW"]
+    assert even and all(c.shape[c.tp_placement.dim] % c.mesh_shape[-1] == 0 for c in even), even  # torch: no overlap
 
 
 def test_a_spent_budget_still_replays_what_the_baseline_has_not_shown(tpdp_pools):

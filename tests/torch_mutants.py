@@ -182,3 +182,66 @@ class UpdateSkipsDelattr(TorchReference):
 
 TORCH_MUTANTS = [SyncGradHookScales, UnflattenDropsShapeAndStride, ReconstructSkipsLast,
                  LocalizeForgetsIgnored, UpdateSkipsDelattr]
+
+
+# -- FSDP1's TP extension (DTensorExtensions) ------------------------------------------
+
+
+def _get_box_off_by_one(tensor):
+    """torch's ``_get_box`` with the chunk size floored one row short, ``(size - 1) // n``:
+    the same as torch's on uneven shards (where 2.13 already overlaps), one row short on
+    even ones, which then overlap too."""
+    from torch.distributed.tensor.parallel import fsdp as _fsdp
+
+    offsets, size = _TORCH_GET_BOX(tensor)
+    if tensor.placements[0].is_shard():
+        dim = tensor.placements[0].dim
+        offsets = list(offsets)
+        offsets[dim] = (tensor.size(dim) - 1) // tensor.device_mesh.size(0)
+    return _fsdp.torch.Size(offsets), size
+
+
+def _torch_get_box():
+    from torch.distributed.tensor.parallel import fsdp as _fsdp
+
+    return _fsdp._get_box
+
+
+_TORCH_GET_BOX = _torch_get_box()
+
+
+def _rebound(functions, globals_: dict) -> None:
+    """Copies of torch's ``functions`` that look their helpers up in ``globals_``, put there:
+    their code, file and line stay torch's, as a regression's would."""
+    import types
+
+    for fn in functions:
+        globals_[fn.__name__] = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__,
+                                                   fn.__closure__)
+
+
+class ChunkBoxOffByOne:
+    """torch's FSDP extension (``--impl torch_mutants.ChunkBoxOffByOne``; its transform is
+    torch's) whose ``chunk_tensor`` builds shard metadata with ``_get_box`` one row short on
+    even shards: overlapping metadata where torch 2.13 has it only on uneven shards. It runs
+    torch's own code objects (their frames are torch's), so it carries the signature the
+    shipped baseline records for the uneven fault; only a replay of the same case on torch
+    tells them apart."""
+
+    def __init__(self):
+        import types
+
+        import torch
+        from torch.distributed.fsdp._common_utils import _FSDPDeviceHandle
+        from torch.distributed.tensor.parallel import fsdp as _fsdp
+
+        from tpdp_verify.impls.select import FSDP_FUNCTIONS
+
+        ext = _fsdp.DTensorExtensions(_FSDPDeviceHandle.from_device(torch.device("cpu")))
+        for f in FSDP_FUNCTIONS:
+            setattr(self, f, getattr(ext, f))
+        mutated = {**vars(_fsdp), "_get_box": _get_box_off_by_one}
+        _rebound([_fsdp._get_box_for, _fsdp._create_sharded_tensor_md_from_dt, _fsdp._chunk_tensor], mutated)
+        method = _fsdp.DTensorExtensions.chunk_tensor
+        chunk = types.FunctionType(method.__code__, mutated, method.__name__, method.__defaults__, method.__closure__)
+        self.chunk_tensor = types.MethodType(chunk, ext)

@@ -3,8 +3,9 @@
 A verdict's signature is the set of everything that failed in it, not only the first
 thing: each failed check by its identifier (``check:parameters-stay-registered-in-order``),
 the kind of value that departs first (``value:gradient``), an exception by its type and
-the innermost frame of the code under test that raised it
-(``raised:RuntimeError at torch/distributed/tensor/_dispatch.py:dispatch``), a rank that
+the API of the code under test that the harness called
+(``raised:RuntimeError at torch/nn/parallel/distributed.py:__init__``; the innermost frame,
+which moves when torch refactors, is a detail of the report), a rank that
 died by its signal (``crash:SIGABRT``), ranks that hung (``hang``).
 
 Parts name no rank, no step, no parameter and no number, and a check's identifier is its
@@ -112,17 +113,34 @@ def _short(filename: str) -> str:
     return os.path.basename(filename)
 
 
+# nn.Module's call machinery: every module call passes it, so it names no API
+_CALLING = ("torch/nn/modules/module.py",)
+
+
+def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The frame where the code under test was entered for the call that raised: the
+    outermost of the innermost run of frames outside the harness (the harness, or a
+    fixture's forward, called it), past nn.Module's call machinery. A refactor moves the
+    innermost frame (torch 2.11 raises DDP's mesh fault in another helper than 2.13); the
+    API the harness called stays."""
+    run: list[tuple[str, str]] = []
+    for frame in frames:
+        if frame[0].startswith("<"):
+            continue  # generated code (a dataclass's __init__), importlib: the caller's, whoever that is
+        run = [] if _harness(frame[0]) else run + [frame]
+    named = [f for f in run if not _short(f[0]).startswith(_CALLING)]
+    return (named or run or [None])[0]
+
+
 def _pick(frames: list[tuple[str, str]], type_name: str) -> str:
-    """``raised:<type> at <file>:<function>`` for the innermost frame outside the harness."""
-    under_test = [(f, fn) for f, fn in frames if not _harness(f)]
-    if not under_test:
+    """``raised:<type> at <file>:<function>``, the frame where the code under test was entered."""
+    entered = _entered(frames)
+    if entered is None:
         return f"raised:{type_name}"
-    filename, function = under_test[-1]
-    return f"raised:{type_name} at {_short(filename)}:{function}"
+    return f"raised:{type_name} at {_short(entered[0])}:{entered[1]}"
 
 
-def raised(exc: BaseException) -> str:
-    """The part for an exception caught where it was raised (in a rank, or here)."""
+def _frames(exc: BaseException) -> list[tuple[str, str]]:
     frames: list[tuple[str, str]] = []
     seen: set[int] = set()
     e: BaseException | None = exc
@@ -130,7 +148,19 @@ def raised(exc: BaseException) -> str:
         seen.add(id(e))
         frames = [(f.filename, f.name) for f in traceback.extract_tb(e.__traceback__)] + frames
         e = e.__cause__ or e.__context__
-    return _pick(frames, type(exc).__name__)
+    return frames
+
+
+def raised(exc: BaseException) -> str:
+    """The part for an exception caught where it was raised (in a rank, or here)."""
+    return _pick(_frames(exc), type(exc).__name__)
+
+
+def innermost(exc: BaseException) -> str:
+    """Where the code under test raised ``exc``: a detail for readers, never a part (it moves
+    when torch refactors)."""
+    under_test = [f for f in _frames(exc) if not _harness(f[0])]
+    return f" (raised in {_short(under_test[-1][0])}:{under_test[-1][1]})" if under_test else ""
 
 
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)', re.M)

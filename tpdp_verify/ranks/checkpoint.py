@@ -254,7 +254,7 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
                 _optimizer_values(fresh, fresh_optimizer)
     # DCP raises CheckpointException, a BaseException: a finding too
     except (Exception, _CheckpointException) as exc:  # a stage that raises is a finding, not a crash of ours
-        seen.error = f"{stage}: {_text(exc)}"
+        seen.error = f"{stage}: {_text(exc)}{signature.innermost(exc)}"
         seen.raised = seen.raised or signature.raised(exc)
         caught(seen.error, seen.raised)
     return seen

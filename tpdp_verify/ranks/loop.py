@@ -395,7 +395,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         trace.raised_in = "" if inside in (None, LOSS) else inside or "<the whole model>"
         where = ("in the per-sample loss (loss_fn): " if inside == LOSS else
                  f"in the forward of {trace.raised_in}: " if running else "")
-        trace.error = where + "".join(traceback.format_exception_only(exc)).strip()
+        trace.error = where + "".join(traceback.format_exception_only(exc)).strip() + signature.innermost(exc)
         trace.raised = signature.raised(exc)
         caught(trace.error, trace.raised)
     return trace

@@ -72,7 +72,7 @@ def apply_tp(fx, case: TrainCase, model, mesh):
 
 
 def _failed(stage: str, exc: Exception) -> Trace:
-    trace = Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip(),
+    trace = Trace(error=f"{stage}: " + "".join(traceback.format_exception_only(exc)).strip() + signature.innermost(exc),
                   raised=signature.raised(exc))
     caught(trace.error, trace.raised)
     return trace
