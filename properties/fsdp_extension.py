@@ -21,6 +21,7 @@ from tpdp_verify import signature
 from tpdp_verify.cases.tensors import FSDPCase, TensorCase
 from tpdp_verify.judging.verdict import Verdict
 from tpdp_verify.properties.exclusions import CHUNK_TENSOR_MESH_DIMS
+from tpdp_verify.properties.returned import is_a, items, kind, unpacked
 from tpdp_verify.properties.roundtrip import (
     RoundTrip,
     all_ranks,
@@ -39,7 +40,9 @@ def _raised(name: str, call) -> tuple[object, list[Check]]:
     try:
         return call(), []
     except Exception as exc:  # noqa: BLE001 - the exception is the verdict
-        return None, [Check(f"{name} runs", False, f"{type(exc).__name__}: {exc}", signature.raised(exc))]
+        where = signature.innermost(exc)
+        return None, [Check(f"{name} runs", False, f"{type(exc).__name__}: {exc}{where}", signature.raised(exc),
+                            where=where)]
 
 
 # -- pre_flatten_transform / post_unflatten_transform ------------------------------------
@@ -59,7 +62,7 @@ def _fsdp_checks(shard: torch.Tensor, local: torch.Tensor, back) -> list[Check]:
 
     checks = [Check("pre_flatten local is t's shard", local.shape == shard.shape and torch.equal(local, shard),
                     f"local {tuple(local.shape)} differs from t's shard {tuple(shard.shape)}")]
-    if isinstance(back, DTensor):
+    if is_a(back, DTensor):
         checks.append(Check("post_unflatten marks the result FSDP-flattened", _is_fsdp_flattened(back),
                             "nested FSDP would flatten the rebuilt DTensor again"))
     return checks
@@ -124,6 +127,14 @@ def _block_checks(what: str, local: torch.Tensor, full: torch.Tensor, mesh, plac
     ]
 
 
+def _dtype_checks(what: str, local: torch.Tensor, full: torch.Tensor) -> list[Check]:
+    """``local`` has ``full``'s dtype, which torch.equal does not compare: only a failed
+    check, so that a well-formed tensor adds none."""
+    if local.dtype == full.dtype:
+        return []
+    return [Check(f"{what} dtype", False, f"{local.dtype} != {full.dtype}")]
+
+
 class _Preflight(Exception):
     """Raised at an implementation's first redistribute, carrying the DTensor's shape."""
 
@@ -178,9 +189,9 @@ def observe_chunk_dtensor(case: FSDPCase, impl_name: str) -> list[Check]:
     if not agree.ok:
         return [agree]
     out = ext.chunk_dtensor(param, dist.get_rank(), fsdp_mesh)
-    checks = [agree, Check("chunk_dtensor returns a DTensor", isinstance(out, DTensor), f"got {type(out).__name__}")]
-    layout = []
-    if isinstance(out, DTensor):
+    checks = [agree, Check("chunk_dtensor returns a DTensor", is_a(out, DTensor), f"got {kind(out)}")]
+    layout, blocks = [], []
+    if is_a(out, DTensor):
         want = expected_placements(case)
         layout = [
             Check("chunk_dtensor mesh is the root mesh", out.device_mesh == root, f"{out.device_mesh} != {root}"),
@@ -189,15 +200,18 @@ def observe_chunk_dtensor(case: FSDPCase, impl_name: str) -> list[Check]:
             Check("chunk_dtensor dtype", out.dtype == case.dtype, f"{out.dtype} != {case.dtype}"),
         ]
         local = out.to_local()
+        blocks = _block_checks("chunk_dtensor", local, full, root, want)
         checks += layout + [
             Check("chunk_dtensor detaches", not out.requires_grad and local.grad_fn is None,
                   "the state dict's value is attached to the parameter's graph"),
             Check("chunk_dtensor copies", local.numel() == 0 or
                   local.untyped_storage().data_ptr() != source.untyped_storage().data_ptr(),
                   "the state dict's value shares storage with the parameter"),
-            *_block_checks("chunk_dtensor", local, full, root, want),
+            *blocks,
         ]
-    if all_ranks(bool(layout) and all(c.ok for c in layout)):
+    # gathered only when every rank holds the block its layout gives it (blocks[0], the
+    # local shape): blocks of other shapes can abort gloo
+    if all_ranks(bool(layout) and all(c.ok for c in layout + blocks[:1])):
         checks.append(Check("chunk_dtensor full tensor", torch.equal(out.full_tensor(), full),
                             "gathered tensor differs from the parameter"))
     return checks
@@ -224,10 +238,10 @@ def observe_all_gather(case: FSDPCase, impl_name: str) -> list[Check]:
     out = ext.all_gather_dtensor(stored, root)
     tp = case.tp_placement
     checks = [Check("all_gather_dtensor returns a plain tensor",
-                    isinstance(out, torch.Tensor) and not isinstance(out, DTensor), f"got {type(out).__name__}")]
-    if not checks[0].ok:
-        return checks
-    checks += _block_checks("all_gather_dtensor", out, full, tp_mesh, [tp] if tp else [])
+                    is_a(out, torch.Tensor) and not is_a(out, DTensor), f"got {kind(out)}")]
+    if checks[0].ok:  # else nothing to compare; the ranks still agree below, as every rank must
+        checks += _dtype_checks("all_gather_dtensor", out, full)
+        checks += _block_checks("all_gather_dtensor", out, full, tp_mesh, [tp] if tp else [])
     if all_ranks(all(c.ok for c in checks)):
         gathered = full if tp is None else DTensor.from_local(
             out, tp_mesh, [tp], run_check=False, shape=full.shape, stride=full.stride()).full_tensor()
@@ -267,6 +281,7 @@ def _local_shard_checks(what: str, st, source: torch.Tensor, pg) -> list[Check]:
     """``st`` (a chunk of ``source`` along dim 0 over FSDP's group ``pg``) tiles ``source``
     on ``pg``'s ranks, and its local shards hold ``source``'s values at their offsets."""
     import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     mds = st.metadata().shards_metadata
     placed = sorted({md.placement.rank() for md in mds})
@@ -282,8 +297,10 @@ def _local_shard_checks(what: str, st, source: torch.Tensor, pg) -> list[Check]:
         for shard in st.local_shards():
             offsets, sizes = _box(shard.metadata)
             want = source[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-            checks.append(Check(f"{what} local shard values", torch.equal(shard.tensor, want),
-                                f"the shard at {offsets} is not the tensor's block there"))
+            plain = not is_a(shard.tensor, ShardedTensor)  # nested once more: no values to compare
+            checks.append(Check(f"{what} local shard values", plain and torch.equal(shard.tensor, want),
+                                f"the shard at {offsets} is not the tensor's block there" if plain else
+                                f"the shard at {offsets} is a ShardedTensor, not the tensor's block there"))
     return checks
 
 
@@ -304,10 +321,9 @@ def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
     full, param = case.full(), _parameter(case, tp_mesh)
     param = param.detach()  # state_dict() values are detached
     st, checks = _raised("chunk_tensor", lambda: ext.chunk_tensor(param, dp.rank(), dp.size(), 1, dp))
-    if st is None:
+    if checks:  # it raised
         return checks
-    checks.append(Check("chunk_tensor returns a ShardedTensor", isinstance(st, ShardedTensor),
-                        f"got {type(st).__name__}"))
+    checks.append(Check("chunk_tensor returns a ShardedTensor", is_a(st, ShardedTensor), f"got {kind(st)}"))
     if not checks[-1].ok:
         return checks
     if not isinstance(param, DTensor):  # a plain parameter: FSDP's own chunks over dp
@@ -336,17 +352,30 @@ def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
         Check("chunk_tensor local shard is listed in the metadata",
               any(_box(m) == _box(md) and m.placement == md.placement for m in st.metadata().shards_metadata),
               f"{_box(md)} on {md.placement} is not in the global metadata"),
-        Check("chunk_tensor local shard chunks over FSDP's group", isinstance(inner, ShardedTensor),
-              f"got {type(inner).__name__}"),
+        Check("chunk_tensor local shard chunks over FSDP's group", is_a(inner, ShardedTensor),
+              f"got {kind(inner)}"),
     ]
-    if isinstance(inner, ShardedTensor):
+    if is_a(inner, ShardedTensor):
         checks += _local_shard_checks("chunk_tensor inner", inner, param.to_local(), dp)
-        loaded, shards = ext.pre_load_state_dict_transform(st)
-        checks.append(Check("pre_load_state_dict_transform returns the inner shards",
-                            loaded is inner and len(shards) == len(inner.local_shards())
-                            and all(a.tensor is b.tensor for a, b in zip(shards, inner.local_shards())),
-                            f"got {type(loaded).__name__} and {len(shards)} shards"))
+        checks.append(_loaded_check(ext.pre_load_state_dict_transform(st), inner))
     return checks
+
+
+def _loaded_check(returned, inner) -> Check:
+    """pre_load_state_dict_transform returned (``inner``, its local shards)."""
+    from torch.distributed._shard.sharded_tensor import Shard as STShard
+
+    name = "pre_load_state_dict_transform returns the inner shards"
+    pair = unpacked(returned, 2)
+    if pair is None:
+        return Check("pre_load_state_dict_transform returns a (tensor, shards) pair", False, f"got {kind(returned)}")
+    loaded, shards = pair
+    listed, mine = items(shards), inner.local_shards()
+    if listed is None:
+        return Check(name, False, f"got {type(loaded).__name__} and {kind(shards)}, not a list of shards")
+    return Check(name, loaded is inner and len(listed) == len(mine)
+                 and all(is_a(a, STShard) and a.tensor is b.tensor for a, b in zip(listed, mine)),
+                 f"got {type(loaded).__name__} and {len(listed)} shards")
 
 
 @tpdp_property(case=lambda world_size: fsdp_cases(world_size, mesh_dims=CHUNK_TENSOR_MESH_DIMS))  # chunk_tensor_hsdp

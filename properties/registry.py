@@ -17,15 +17,21 @@ from tpdp_verify.cases.trees import TreeCase
 from tpdp_verify.judging.verdict import Verdict
 from tpdp_verify.properties.exclusions import TREES_WITHOUT_PARAMETERS
 from tpdp_verify.properties.modules import build, module_trees
+from tpdp_verify.properties.returned import is_a, kind, read, unpacked
 from tpdp_verify.ranks.observation import Check, observing
 from tpdp_verify.runner.property import tpdp_property
 
 MODES = st.lists(st.tuples(st.sampled_from(["train", "eval"]), st.booleans()), min_size=1, max_size=3)
 
 
-def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
-    info = getattr(t, "_st_info", None)  # a localized shard knows the DTensor it stands for
-    return tuple(info.shape if info is not None else t.shape)
+def _global_shape(t: torch.Tensor) -> tuple[int, ...] | str:
+    """The global shape ``t`` stands for; text saying why it cannot be read where the
+    implementation left something that cannot say (an info without a shape, no tensor)."""
+    try:
+        info = getattr(t, "_st_info", None)  # a localized shard knows the DTensor it stands for
+        return tuple(info.shape if info is not None else t.shape)
+    except Exception as exc:  # noqa: BLE001 - compared, it fails "global shapes" with this text
+        return f"<unreadable in a {type(t).__name__}: {type(exc).__name__}: {exc}>"
 
 
 def _hooks(model: torch.nn.Module) -> int:
@@ -33,7 +39,7 @@ def _hooks(model: torch.nn.Module) -> int:
 
 
 def _handles(model: torch.nn.Module) -> list[tuple[str, int, bool]]:
-    return [(n, id(p), isinstance(p, torch.nn.Parameter))
+    return [(n, id(p), is_a(p, torch.nn.Parameter))
             for n, p in model.named_parameters(remove_duplicate=False)]
 
 
@@ -47,7 +53,7 @@ def snapshot(model: torch.nn.Module) -> dict:
         "parameter names": [n for n, _ in model.named_parameters()],
         "parameter names, duplicates included": [n for n, _ in params],
         "global shapes": {n: _global_shape(p) for n, p in params},
-        "requires_grad": {n: p.requires_grad for n, p in params},
+        "requires_grad": {n: read(p, "requires_grad") for n, p in params},
         "tied parameters": sorted(sorted(g) for g in groups.values() if len(g) > 1),
         "parameters() count": len(list(model.parameters())),
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
@@ -128,14 +134,21 @@ def observe_paths(case: TreeCase, pick: int, impl_name: str) -> list[Check]:
     checks = []
     for name, param in params:
         prefix, _, attr = name.rpartition(".")
-        owner, got = impl.get_submodule_n_params(model, name)
+        resolved, wrong = _resolved(impl.get_submodule_n_params(model, name), name)
+        if wrong:
+            checks += wrong
+            continue
+        owner, got = resolved
         ok = owner is model.get_submodule(prefix) and got == attr and owner._parameters.get(got) is param
         checks.append(Check("path resolves to the owning module and attribute", ok,
                             f"{name!r} -> {type(owner).__name__}.{got}"))
     if not params:
         return checks
     name = params[pick % len(params)][0]
-    owner, attr = impl.get_submodule_n_params(model, name)
+    resolved, wrong = _resolved(impl.get_submodule_n_params(model, name), name)
+    if wrong:  # no slot to replace: the failed check above is the verdict
+        return checks
+    owner, attr = resolved
     sentinel = torch.nn.Parameter(torch.zeros(1))
     impl.update_module_param([(owner, attr, sentinel)])
     after = list(model.named_parameters(remove_duplicate=False))
@@ -151,6 +164,16 @@ def observe_paths(case: TreeCase, pick: int, impl_name: str) -> list[Check]:
                             f"replacing {name!r} changed {other!r}" if expected is param else
                             f"replacing {name!r} left {other!r}"))
     return checks
+
+
+def _resolved(returned, name: str) -> tuple[tuple | None, list[Check]]:
+    """What get_submodule_n_params returned for ``name`` as (owner, attribute) and no check,
+    or None and the failed check saying what came back instead."""
+    pair = unpacked(returned, 2)
+    if pair is not None and is_a(pair[0], torch.nn.Module) and is_a(pair[1], str):
+        return pair, []
+    return None, [Check("get_submodule_n_params returns a (module, attribute) pair", False,
+                        f"{name!r} -> {kind(returned)}")]
 
 
 def _trees_with_parameters(world_size: int):
@@ -185,9 +208,11 @@ def observe_ignored(case: TreeCase, mask: int, impl_name: str) -> list[Check]:
             checks.append(Check("ignored and plain parameters stay untouched", got is param,
                                 f"{name!r} was replaced"))
         else:
-            checks.append(Check("other DTensor parameters are localized",
-                                got is not None and not isinstance(got, DTensor),
-                                f"{name!r} is still a {type(got).__name__}"))
+            # localized: a local tensor, which what the implementation left is not trusted to be
+            tensor = is_a(got, torch.Tensor)
+            checks.append(Check("other DTensor parameters are localized", tensor and not is_a(got, DTensor),
+                                f"{name!r} is still a {type(got).__name__}" if tensor or got is None
+                                else f"{name!r} became a {type(got).__name__}, not a local tensor"))
     return checks
 
 

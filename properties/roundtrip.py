@@ -15,6 +15,7 @@ from torch import nn
 
 from tpdp_verify.cases.tensors import TensorCase
 from tpdp_verify.judging.verdict import Verdict
+from tpdp_verify.properties.returned import is_a, kind, shown, unpacked
 from tpdp_verify.properties.strategies import tensor_cases
 from tpdp_verify.ranks.observation import Check, observing
 from tpdp_verify.runner.property import tpdp_property
@@ -69,43 +70,96 @@ class RoundTrip:
 def round_trip_checks(case: TensorCase, mesh, flatten, unflatten, names: RoundTrip = RoundTrip(),
                       more=lambda shard, local, back: []) -> list[Check]:
     """On every rank: a DTensor parameter through ``flatten`` and back through ``unflatten``;
-    ``more`` adds a family's own checks."""
+    ``more`` adds a family's own checks. Whatever the pair returns fails checks that say
+    what it was, never the checks' own code (tpdp_verify.properties.returned)."""
     from torch.distributed.tensor import DTensor
 
     full, param, shard = distributed_param(case, mesh)
     shard_requires_grad = shard.requires_grad
 
-    local, info = flatten(param)
-    back = unflatten(local, info)
-    checks = [
-        Check(f"{names.flatten} returns {names.info}", info is not None, f"got {info!r}"),
+    returned = flatten(param)
+    pair = unpacked(returned, 2)
+    local, info = pair or (None, None)
+    malformed = _local_checks(local, shard, names) if pair is not None else [
+        Check(f"{names.flatten} returns a (local, {names.info}) pair", False, f"got {kind(returned)}")]
+    usable = pair is not None and _plain(local)
+    # DP unflattens only a plain tensor that came with its info (torch's _reconstruct_dtensor
+    # only parameters with _st_info); on every rank or none: unflatten may communicate
+    unflattened = all_ranks(usable and info is not None)
+    back = unflatten(local, info) if unflattened else None
+    checks = [] if pair is None else [
+        Check(f"{names.flatten} returns {names.info}", info is not None, f"got {shown(info)}")]
+    checks += [
         Check(f"{names.flatten} leaves t requiring grad as before", param.requires_grad == case.requires_grad,
               f"t.requires_grad became {param.requires_grad}"),
         Check(f"{names.flatten} leaves t's shard requiring grad as before", shard.requires_grad == shard_requires_grad,
               f"t's shard requires_grad went {shard_requires_grad} -> {shard.requires_grad}"),
-        Check(f"{names.local} shares storage with t's shard",
-              local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(),
-              f"{names.flatten} copied the shard: {names.copy_means}"),
-        Check(f"{names.local} requires_grad", local.requires_grad == case.requires_grad,
-              f"local.requires_grad={local.requires_grad}, t.requires_grad={case.requires_grad}"),
-        Check(f"{names.unflatten} returns a DTensor", isinstance(back, DTensor), f"got {type(back).__name__}"),
+        *malformed,
     ]
+    if usable:
+        checks += [
+            Check(f"{names.local} shares storage with t's shard",
+                  local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(),
+                  f"{names.flatten} copied the shard: {names.copy_means}"),
+            Check(f"{names.local} requires_grad", local.requires_grad == case.requires_grad,
+                  f"local.requires_grad={local.requires_grad}, t.requires_grad={case.requires_grad}"),
+        ]
+    if unflattened:
+        checks.append(Check(f"{names.unflatten} returns a DTensor", is_a(back, DTensor), f"got {kind(back)}"))
     layout = []
-    if isinstance(back, DTensor):
-        layout = layout_checks(case, mesh, param, back, names.rebuilt)
+    if is_a(back, DTensor):
+        # a local tensor of another shape than the layout gives can abort gloo when gathered
+        layout = layout_checks(case, mesh, param, back, names.rebuilt) + _local_shape_checks(back, shard, names.rebuilt)
         checks += layout + [
             Check(f"{names.rebuilt}requires_grad", back.requires_grad == case.requires_grad,
                   f"{names.unflatten}({names.flatten}(t)).requires_grad={back.requires_grad}, "
                   f"t.requires_grad={case.requires_grad}"),
             Check(f"{names.rebuilt}local data", torch.equal(back.to_local(), shard), "the shard's values changed"),
         ]
-    checks += more(shard, local, back)
+    if usable:
+        checks += more(shard, local, back)
     checks += gathered_checks(case, full, back, local, layout, names.rebuilt)
     plain = full.clone()
-    out, plain_info = flatten(plain)
-    checks.append(Check(f"{names.flatten} of a plain tensor is the identity", out is plain and plain_info is None,
-                        f"got {type(out).__name__} and {plain_info!r}"))
+    checks.append(_identity_check(flatten(plain), plain, names))
     return checks
+
+
+def _plain(value) -> bool:
+    """A plain tensor, as DP buckets and all-reduces it."""
+    from torch.distributed.tensor import DTensor
+
+    return is_a(value, torch.Tensor) and not is_a(value, DTensor)
+
+
+def _local_checks(local, shard: torch.Tensor, names: RoundTrip) -> list[Check]:
+    """What is wrong with the local tensor of a (local, info) pair: the failed checks only,
+    so that a well-formed one adds none."""
+    if not _plain(local):
+        return [Check(f"{names.local} is a plain tensor", False, f"got {kind(local)}")]
+    return [c for c in (
+        Check(f"{names.local} has the shape of t's shard", local.shape == shard.shape,
+              f"{tuple(local.shape)} != {tuple(shard.shape)}"),
+        Check(f"{names.local} has t's dtype", local.dtype == shard.dtype, f"{local.dtype} != {shard.dtype}"),
+    ) if not c.ok]
+
+
+def _local_shape_checks(back, shard: torch.Tensor, prefix: str) -> list[Check]:
+    """The rebuilt DTensor's local tensor has the shape its layout gives this rank (t's
+    shard's): only a failed check, so that a well-formed one adds none."""
+    got = tuple(back.to_local().shape)
+    if got == tuple(shard.shape):
+        return []
+    return [Check(f"{prefix}local shape", False, f"{got} != {tuple(shard.shape)}, what the layout gives this rank")]
+
+
+def _identity_check(returned, plain: torch.Tensor, names: RoundTrip) -> Check:
+    """``flatten`` returned (``plain``, None) for a plain tensor: DP leaves it as it is."""
+    name = f"{names.flatten} of a plain tensor is the identity"
+    pair = unpacked(returned, 2)
+    if pair is None:
+        return Check(name, False, f"got {kind(returned)}, not the pair (t, None)")
+    out, info = pair
+    return Check(name, out is plain and info is None, f"got {type(out).__name__} and {shown(info)}")
 
 
 @observing
@@ -130,7 +184,8 @@ def _gradient_checks(case: TensorCase, back, local) -> list[Check]:
     """A gradient of the rebuilt DTensor must land, unchanged, on the local shard."""
     from torch.distributed.tensor import distribute_tensor
 
-    if not (back.requires_grad and local.requires_grad):
+    # every rank or none: distributing the weight communicates
+    if not all_ranks(back.requires_grad and local.requires_grad):
         return []
     gen = torch.Generator().manual_seed(case.seed + 1)
     weight = torch.randn(case.shape, generator=gen, dtype=torch.float64).to(case.dtype)

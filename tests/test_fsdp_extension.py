@@ -101,9 +101,10 @@ def test_torch_chunk_tensor_overlaps_uneven_shards(tpdp_pools):
         chunk_tensor_metadata.fn(tpdp_pools.get(4), "torch", case=case)
     lines = str(info.value).splitlines()
     assert any(line.startswith("  chunk_tensor runs (ranks 0, 1, 2): ValueError: Shards ShardMetadata")
-               and line.endswith("overlap") for line in lines), lines
-    assert "  chunk_tensor runs (rank 3): ValueError: Total volume of shards: 0 does not match tensor volume: 3, " \
-           "in other words all the individual shards do not cover the entire tensor" in lines
+               and "overlap (raised in torch/" in line for line in lines), lines
+    assert any(line.startswith("  chunk_tensor runs (rank 3): ValueError: Total volume of shards: 0 does not match "
+                               "tensor volume: 3, in other words all the individual shards do not cover the entire "
+                               "tensor (raised in torch/") for line in lines), lines
 
 
 @pytest.mark.parametrize("mutant", fsdp_mutants.MUTANTS, ids=lambda m: m.__name__)

@@ -60,9 +60,9 @@ class Verdict:
             made += [(rank, c) for c in o.checks]
             if o.error:
                 made.append((rank, Check("every rank runs without an exception", False, o.error, o.raised)))
-        merged: dict[tuple[str, bool, str], Check] = {}
+        merged: dict[tuple[str, bool, str, str], Check] = {}
         for rank, c in made:
-            key = (c.name, c.ok, c.part)
+            key = (c.name, c.ok, c.part, c.where)
             first = merged.setdefault(key, c)
             if not c.ok and rank is not None and rank not in first.ranks:
                 merged[key] = first._replace(ranks=first.ranks + (rank,))

@@ -22,6 +22,8 @@ class Check(NamedTuple):
     baselines; ``detail`` says what was seen, for readers. ``part`` overrides the
     signature part, for a check that failed by an exception (its type and frame).
     ``ranks``: the ranks it failed on, once the parent has merged the ranks' checks.
+    ``where``: for an exception, the innermost frame that raised it: never a part (it moves
+    when torch refactors), but ranks that raised in different places stay apart in reports.
     """
 
     name: str
@@ -29,6 +31,7 @@ class Check(NamedTuple):
     detail: str = ""
     part: str = ""
     ranks: tuple[int, ...] = ()
+    where: str = ""
 
 
 @dataclass

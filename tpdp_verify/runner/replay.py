@@ -128,19 +128,19 @@ class PythonSide:
 def _package_view(root: Path) -> None:
     """``root/tpdp_verify``: this tpdp-verify's package as installed, its top-level folders
     (properties, oracles, fixtures) in place, as links, for a python that has not installed it."""
-    import tpdp_verify
-    from tpdp_verify import fixtures, oracles, properties
+    from importlib.util import find_spec
+
+    def where(name: str) -> Path:  # found, not imported: the suite is not this layer's to import
+        return Path(find_spec(name).submodule_search_locations[0])
 
     package = root / "tpdp_verify"
     package.mkdir()
-    source = Path(tpdp_verify.__file__).parent
-    for item in source.iterdir():
+    for item in where("tpdp_verify").iterdir():
         if item.name != "__pycache__":
             (package / item.name).symlink_to(item)
-    for sub in (properties, oracles, fixtures):
-        link = package / sub.__name__.rsplit(".", 1)[1]
-        if not link.exists():
-            link.symlink_to(Path(sub.__file__).parent)
+    for sub in ("properties", "oracles", "fixtures"):
+        if not (package / sub).exists():
+            (package / sub).symlink_to(where(f"tpdp_verify.{sub}"))
 
 
 class Budget:
