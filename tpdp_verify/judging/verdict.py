@@ -181,7 +181,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     if errors != {""}:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
     whole = Trace(trainable=traces[0].trainable, activations=traces[0].activations,
-                  state_unobserved=traces[0].state_unobserved, registry=traces[0].registry, unread=traces[0].unread)
+                  state_unobserved=traces[0].state_unobserved, registry=traces[0].registry, unread=traces[0].unread,
+                  ignored=sorted({d for t in traces for d in t.ignored}))
     for what in ("trainable", "registry"):
         differ = [r for r, t in enumerate(traces) if getattr(t, what) != getattr(whole, what)]
         checks.append(Check(f"every rank has the same {what} parameters", not differ,
@@ -268,6 +269,9 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,
                           f"trainable {observed.trainable}, oracle {shadow.trainable}"))
     v.checks.append(_registry(observed.registry, shadow.registry, shadow.tied))
+    if case.habits.ignored:
+        v.checks.append(Check("what DP is told to ignore stays as the user left it", not observed.ignored,
+                              "; ".join(observed.ignored)))
     for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
         _values("output", i, o, b, s, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):

@@ -46,6 +46,9 @@ class Trace(Observation):
     registry: list[str] = field(default_factory=list)  # named_parameters() of the model after training
     tied: list[tuple[str, ...]] = field(default_factory=list)  # after training: names that share one parameter
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
+    # what DP did to the parameters the user told it to ignore (Habits.ignored): each one it
+    # replaced or localized, after wrapping and after training
+    ignored: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Run:
     # Habits.ignored == "trained": what the user does for the parameters DP ignores, after
     # the last backward of a step (average their gradients over dp)
     sync_ignored: Callable[[], None] = lambda: None
+    ignored: tuple[str, ...] = ()  # names of the parameters DP was told to ignore (Habits.ignored)
 
 
 def fixture(case: TrainCase) -> Fixture:
@@ -345,6 +349,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
     """Run the case's steps; record a Trace. An exception ends the trace with its text."""
     fx, trace = fixture(case), Trace(state_unobserved=run.state_unobserved)
     trace.trainable = [n for n, p in run.handles.items() if p.requires_grad]
+    trace.ignored = left_as_they_were(case, run, "after wrapping")
     # Habits.between "submodule": the blocks that may be called directly, and the last called
     direct, called = (blocks(run.inner) if case.habits.between == "submodule" else []), {}
     running: list[str] = []  # modules whose forward has begun and not returned
@@ -390,6 +395,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
             trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
         trace.registry = [n for n, _ in run.inner.named_parameters()]
         trace.tied = _tied(run.inner)
+        trace.ignored += left_as_they_were(case, run, "after training")
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
         inside = running[-1] if running else None
         trace.raised_in = "" if inside in (None, LOSS) else inside or "<the whole model>"
@@ -399,6 +405,24 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         trace.raised = signature.raised(exc)
         caught(trace.error, trace.raised)
     return trace
+
+
+def left_as_they_were(case: TrainCase, run: Run, when: str) -> list[str]:
+    """How the parameters DP was told to ignore differ from what the user left before
+    wrapping: each one that is another object now, or no longer the DTensor it was (localized).
+    A DP entry point's contract is to leave them alone; the user trains them, or froze them.
+    Looked up by name, registered or not: torch 2.13's transform unregisters TP parameters."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for name in run.ignored:
+        owner, _, attr = name.rpartition(".")
+        left, now = run.before_wrap[name], getattr(run.inner.get_submodule(owner), attr, None)
+        if isinstance(left, DTensor) and not isinstance(now, DTensor):
+            out.append(f"{name} is {'gone' if now is None else 'localized'} {when} (a DTensor the user left)")
+        elif now is not left:
+            out.append(f"{name} is replaced {when}")
+    return out
 
 
 def _tied(model: nn.Module) -> list[tuple[str, ...]]:

@@ -107,7 +107,18 @@ def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
                part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
                handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
                before_wrap=before, whole_params=wrapped.whole_params,
-               state_unobserved=wrapped.state_unobserved, sync_ignored=averaging_ignored(case, wrapped, mesh))
+               state_unobserved=wrapped.state_unobserved, sync_ignored=averaging_ignored(case, wrapped, mesh),
+               ignored=ignored_names(case, wrapped.inner, before))
+
+
+def ignored_names(case: TrainCase, inner, before: dict) -> tuple[str, ...]:
+    """The names of the parameters the case tells DP to ignore, as the TP'd model had them."""
+    skip = ignorable(inner) if case.habits.ignored else None
+    if skip is None:
+        return ()
+    mine = {id(p) for p in skip.parameters()}
+    prefix = next(f"{n}." for n, m in inner.named_children() if m is skip)
+    return tuple(n for n, p in before.items() if n.startswith(prefix) or id(p) in mine)
 
 
 def averaging_ignored(case: TrainCase, wrapped, mesh):
