@@ -19,6 +19,12 @@ import pytest
 
 from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, IGNORED, MISWIRINGS
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
+from tpdp_verify.properties.checkpoint import (
+    checkpoint_resumes,
+    entry_points_checkpoint_resume,
+    entry_points_state_dict_like_unsharded,
+    state_dict_like_unsharded,
+)
 from tpdp_verify.properties.training import (
     BUCKET_CAP_LISTS,
     CLIPS,
@@ -38,7 +44,7 @@ def drawn(prop, world_size: int) -> list:
     seen = []
 
     @functools.wraps(prop.fn)
-    def record(pool, impl, case):
+    def record(pool, impl, case, **_route):
         seen.append(case)
 
     dataclasses.replace(prop, fn=record).run(SimpleNamespace(world_size=world_size), "torch", CI)
@@ -107,3 +113,22 @@ def test_the_ci_profile_draws_every_miswiring_and_every_entry_point_miswired():
     assert len(drawn_cases) >= CI.max_examples
     assert all(wirings[w] for w in MISWIRINGS), wirings
     assert all(entries[e] for e in ENTRIES), entries
+
+
+CHECKPOINTS = (state_dict_like_unsharded, entry_points_state_dict_like_unsharded, checkpoint_resumes,
+               entry_points_checkpoint_resume)
+
+
+@pytest.mark.parametrize("world_size", CI.world_sizes)
+@pytest.mark.parametrize("prop", TRAINING + CHECKPOINTS, ids=lambda p: p.name)
+def test_the_ci_draw_composes_tp_and_dp(prop, world_size):
+    """On the gate's own draw: with 4 ranks or more most cases have dp > 1 and tp > 1, and
+    float32 (the tight bounds) is a fair share of those; with 2, at least half put the ranks
+    on tp. A search that seldom composes TP with DP would pass a transform it never ran."""
+    cases = drawn(prop, world_size)
+    composed = [c for c in cases if min(c.mesh_shape) > 1]
+    if world_size >= 4:
+        assert len(composed) > len(cases) / 2, Counter(c.mesh_shape for c in cases)
+        assert sum(c.dtype == "float32" for c in composed) >= len(cases) / 5, Counter(c.dtype for c in composed)
+    else:
+        assert sum(c.mesh_shape[1] > 1 for c in cases) >= len(cases) / 2, Counter(c.mesh_shape for c in cases)
