@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from tpdp_verify.cases.training import MISWIRINGS, TrainCase
@@ -59,12 +60,27 @@ def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
     return verdict
 
 
+# What a refusal of a crossed mesh talks about: torch's own words for the mesh or group it
+# was handed ("Only 1D device mesh is supported", "Cannot concatenate overlapping meshes")
+_ABOUT_WIRING = re.compile(r"mesh|process ?group", re.I)
+
+
+def refusal(error: str) -> bool:
+    """Whether a rank's error is a refusal of the wiring: its exception's message (not the
+    stage, which names the entry point, nor the frame) speaks of the mesh or the group. An
+    error about anything else (an operator with no sharding strategy, an invalid storage)
+    is torch failing on what it accepted: a finding."""
+    message = error.split("Error: ", 1)[-1].rsplit(" (raised in ", 1)[0]
+    return bool(_ABOUT_WIRING.search(message))
+
+
 def verdict_miswired(pool, impl: str, case: TrainCase) -> Verdict:
-    """A miswired case (TrainCase.wiring): refused on every rank before the first step, or
-    trained exactly like one device; anything else is torch accepting the miswiring."""
+    """A miswired case (TrainCase.wiring): refused on every rank before the first step, with
+    an error about the mesh or group, or trained exactly like one device; anything else is
+    torch accepting the miswiring."""
     traces = pool.run(observe, case, impl)
     wired = MISWIRINGS[case.wiring]
-    if all(t.error and len(t.params) <= 1 for t in traces):  # raised before any step completed
+    if all(t.error and len(t.params) <= 1 and refusal(t.error) for t in traces):  # before any step completed
         return Verdict([Check(f"refuses it before training ({wired})", True)], against="one device")
     whole, checks = assemble(case, traces)
     verdict = judge_training(case, whole, *oracle(case))

@@ -36,3 +36,24 @@ def test_every_miswiring_is_drawn_only_where_it_means_something():
 
     collect()
     assert seen and all(min(c.mesh_shape) > 1 and c.wiring in wirings(c.entry) for c in seen)
+
+
+@pytest.mark.parametrize("entry, wiring, said", [("ddp_mesh", "dp_by_group", "does not have a sharding strategy"),
+                                                 ("fsdp1", "dp_over_mesh", "resize_() on an invalid python storage")])
+def test_an_error_that_is_not_about_the_mesh_is_a_finding(tpdp_pools, entry, wiring, said):
+    """torch 2.13 raises while wrapping, before any step, but about something else than the
+    mesh or group it was handed: torch failing on what it accepted, not a refusal."""
+    verdict = verdict_miswired(tpdp_pools.get(4), "torch", TrainCase(mesh_shape=(2, 2), entry=entry, wiring=wiring))
+    assert not verdict.ok and not verdict.checks[0].ok and said in verdict.report(), verdict.report()
+
+
+def test_a_refusal_speaks_of_the_mesh_or_group():
+    from tpdp_verify.oracles.verdicts import refusal
+
+    assert refusal("wrapping with ddp_mesh: RuntimeError: Only 1D device mesh is supported, but got DeviceMesh(...)")
+    assert refusal("wrapping with fully_shard: RuntimeError: Cannot concatenate overlapping meshes: [...]")
+    assert refusal("wrapping with transform_ddp: RuntimeError: ('Found the DeviceMesh have 2 dimensions', ...)")
+    # the stage names the entry point (ddp_mesh) and the frame a file (device_mesh.py): neither counts
+    assert not refusal("wrapping with ddp_mesh: NotImplementedError: Operator c10d.broadcast_.default does not "
+                       "have a sharding strategy registered. (raised in torch/distributed/device_mesh.py:f)")
+    assert not refusal("wrapping with fsdp1: RuntimeError: Attempted to call resize_() on an invalid python storage.")

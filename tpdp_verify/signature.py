@@ -113,21 +113,27 @@ def _short(filename: str) -> str:
     return os.path.basename(filename)
 
 
-# nn.Module's call machinery: every module call passes it, so it names no API
-_CALLING = ("torch/nn/modules/module.py",)
+# Call machinery: every module call, and every function torch decorates with no_grad,
+# passes it, so it names no API
+_CALLING = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py")
 
 
 def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
     """The frame where the code under test was entered for the call that raised: the
     outermost of the innermost run of frames outside the harness (the harness, or a
-    fixture's forward, called it), past nn.Module's call machinery. A refactor moves the
-    innermost frame (torch 2.11 raises DDP's mesh fault in another helper than 2.13); the
-    API the harness called stays."""
-    run: list[tuple[str, str]] = []
+    fixture's forward, called it), past the call machinery. A refactor moves the innermost
+    frame (torch 2.11 raises DDP's mesh fault in another helper than 2.13); the API the
+    harness called stays. Where the harness itself is innermost (a C++ op in a fixture's
+    forward raised), the last run it went through before."""
+    runs: list[list[tuple[str, str]]] = [[]]
     for frame in frames:
         if frame[0].startswith("<"):
             continue  # generated code (a dataclass's __init__), importlib: the caller's, whoever that is
-        run = [] if _harness(frame[0]) else run + [frame]
+        if not _harness(frame[0]):
+            runs[-1].append(frame)
+        elif runs[-1]:
+            runs.append([])
+    run = next((r for r in reversed(runs) if r), [])
     named = [f for f in run if not _short(f[0]).startswith(_CALLING)]
     return (named or run or [None])[0]
 

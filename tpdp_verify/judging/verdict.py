@@ -45,6 +45,10 @@ class Verdict:
     unobserved: str = ""  # what was not compared, and why
     unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
     accumulate: int = 1  # microbatches a step: orders outputs among the steps' values
+    # exact comparisons that failed: "check: where name" -> the largest absolute difference
+    # (inf where there was nothing of the same shape to subtract), to weigh one run's
+    # departures against another's
+    departures: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of_ranks(cls, observed: list[Observation], minimum: int = 1) -> Verdict:
