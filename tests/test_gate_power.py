@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from tpdp_verify.properties import ignored_params_untouched, trains_like_one_device
+from tpdp_verify.properties import flatten_roundtrip, ignored_params_untouched, trains_like_one_device
 from tpdp_verify.runner import baseline, profiles
 from tpdp_verify.runner.gate import check_property
 
@@ -31,6 +31,7 @@ def judged(outcome, prop):
     (torch_mutants.UnflattenDropsShapeAndStride, trains_like_one_device, "crash:SIGABRT"),
     (torch_mutants.LocalizeForgetsIgnored, ignored_params_untouched,
      "check:ignored-and-plain-parameters-stay-untouched"),
+    (torch_mutants.FlattenReturnsTheFullTensor, flatten_roundtrip, "check:local-has-the-shape-of-t-s-shard"),
 ], ids=lambda v: getattr(v, "__name__", getattr(v, "name", v)))
 def test_a_regression_in_torch_is_new_against_the_shipped_baseline(tpdp_pools, mutant, prop, part):
     known = baseline.known_parts(baseline.load("torch-2.13.0")[1])

@@ -180,6 +180,22 @@ class UpdateSkipsDelattr(TorchReference):
             setattr(parent_module, module_path, t)
 
 
+class FlattenReturnsTheFullTensor(TorchReference):
+    """``_flatten_tensor`` returns the gathered global tensor in place of the local shard
+    (``full_tensor()``, as a refactor that confused the two would): DP then buckets and
+    reduces a tensor of the global shape, and the structural checks get a value of the
+    wrong shape, which they must fail, not raise on (the suite's checks are total)."""
+
+    caught_by = frozenset({"flatten_roundtrip"})
+    departs_as = frozenset({"LocalHasTheShapeOfTSShard"})
+
+    @staticmethod
+    def flatten_tensor(tensor):
+        if isinstance(tensor, DTensor):
+            return tensor.full_tensor().detach().requires_grad_(), tensor._spec
+        return tensor, None
+
+
 TORCH_MUTANTS = [SyncGradHookScales, UnflattenDropsShapeAndStride, ReconstructSkipsLast,
                  LocalizeForgetsIgnored, UpdateSkipsDelattr]
 
