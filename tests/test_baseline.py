@@ -15,6 +15,7 @@ from tpdp_verify.runner.gate import Finding, Outcome
 
 CASE = TrainCase(model="frozen", size=Size(dim=3), mesh_shape=(2, 1))
 REGISTRY, GRADIENT = "check:parameters-stay-registered-in-order", "value:gradient"
+HERE = "ddp_mesh frozen dp"  # CASE's region: its entry point, model and mesh kind
 
 
 def diverges(prop, *parts, world_size=2, case=CASE, status=""):
@@ -30,7 +31,7 @@ def test_entries_round_trip_through_a_file_and_rebuild_the_case(tmp_path):
     path = tmp_path / "b.json"
     assert baseline.write(str(path), [diverges("p", REGISTRY, GRADIENT), passes("q")], "ci", "torch") == 1
     header, known = baseline.load(str(path))
-    assert header["profile"] == "ci" and [k.key for k in known] == [("p", 2, (REGISTRY, GRADIENT))]
+    assert header["profile"] == "ci" and [k.key for k in known] == [("p", 2, HERE, (REGISTRY, GRADIENT))]
     assert known[0].drawn() == {"case": CASE} and known[0].summary == f"{REGISTRY}: departs"
 
 
@@ -46,7 +47,7 @@ def test_a_run_is_sorted_into_known_new_changed_fixed_and_not_run():
         return {"b": ("K",), "c": ("K", "Else"), "d": ()}[entry.property]
 
     j = baseline.judge(run, listed, rerun)
-    assert [k.key for k in j.new] == [("a", 2, ("K", "Other"))]
+    assert [k.key for k in j.new] == [("a", 2, HERE, ("K", "Other"))]
     assert [k.property for k in j.known] == ["a", "b"]  # b: found again by its recorded case
     assert [(k.property, now) for k, now in j.changed] == [("c", "now K + Else")]
     assert [k.property for k in j.fixed] == ["d"] and [k.property for k in j.not_run] == ["e"]
@@ -61,7 +62,7 @@ def test_a_listed_case_whose_parts_all_showed_in_other_cases_is_known_without_a_
     run = [Outcome("a", 2, "known", 1.0, findings=[
         Finding("", "", "", {"case": CASE}, ("K",), "known"), Finding("", "", "", {"case": CASE}, ("L", "M"), "known")])]
     j = baseline.judge(run, listed, rerun=lambda entry: pytest.fail(f"reran {entry.key}"))
-    assert {k.key for k in j.known} == {("a", 2, ("K", "L")), ("a", 2, ("M",))} and not j.blocks
+    assert {k.key for k in j.known} == {("a", 2, HERE, ("K", "L")), ("a", 2, HERE, ("M",))} and not j.blocks
 
 
 def test_a_known_fault_with_a_new_one_in_the_same_case_is_new():
@@ -73,11 +74,27 @@ def test_a_known_fault_with_a_new_one_in_the_same_case_is_new():
     assert run[0].findings[0].status == "NEW" and run[0].status == "diverges"
 
 
-def test_every_part_known_from_different_entries_is_known():
-    listed = baseline.entries([diverges("a", REGISTRY), diverges("a", GRADIENT, case=TrainCase(model="mlp"))])
+def test_every_part_known_from_different_entries_of_a_region_is_known():
+    other = TrainCase(model="frozen", size=Size(dim=2), mesh_shape=(2, 1), seed=3)  # the same region
+    listed = baseline.entries([diverges("a", REGISTRY), diverges("a", GRADIENT, case=other)])
     run = [diverges("a", REGISTRY, GRADIENT, status="known")]
     j = baseline.judge(run, listed, lambda e: pytest.fail("both entries were met"))
     assert not j.new and run[0].status == "known" and len(j.known) == 2
+
+
+@pytest.mark.parametrize("elsewhere", [TrainCase(model="frozen", mesh_shape=(2, 1), entry="fsdp1"),
+                                       TrainCase(model="tied", mesh_shape=(2, 1)),
+                                       TrainCase(model="frozen", mesh_shape=(1, 2))],
+                         ids=["another entry point", "another model", "another mesh kind"])
+def test_a_part_is_known_only_in_the_region_it_was_seen_in(elsewhere):
+    """A gradient departure recorded under one entry point, model and mesh kind says nothing
+    of another: there it is NEW (issue 29: FSDP1 + TP's gradients were known because
+    replicate on the tied model departed in gradients)."""
+    listed = baseline.entries([diverges("a", GRADIENT)])
+    run = [diverges("a", GRADIENT, case=elsewhere)]
+    j = baseline.judge(run, listed, lambda e: ("value:gradient",))
+    assert [k.signature for k in j.new] == [(GRADIENT,)] and j.blocks and run[0].status == "diverges"
+    assert baseline.regional_parts(listed) == {"a": {HERE: {GRADIENT}}}
 
 
 def test_nothing_new_passes():
@@ -174,7 +191,7 @@ def test_known_divergences_md_lists_every_entry_of_the_shipped_baseline():
 
     doc = (Path(__file__).parent.parent / "docs" / "known-divergences.md").read_text()
     _, known = baseline.load("torch-2.13.0")
-    missing = [k.key for k in known if f"### `{k.property}` (world size {k.world_size}): {k.kind}" not in doc]
+    missing = [k.key for k in known if f"### {baseline.heading(k)}" not in doc]
     assert not missing, f"regenerate with python -m tpdp_verify.runner.baseline: {missing}"
 
 

@@ -205,7 +205,7 @@ def _run_gate(args, files, profile, suite, logs, known, side, budget) -> int:
     try:
         for outcome in iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
                                  progress=lambda line: print(line, flush=True),
-                                 known=baseline.known_parts(known[1]) if known else None,
+                                 known=baseline.regional_parts(known[1]) if known else None,
                                  learn=args.update_baseline, seed=args.seed, rank_output=logs,
                                  judge=(lambda prop, pool, stats: replay.Replayed(side, prop, pool, stats, budget))
                                  if side else None):

@@ -6,12 +6,13 @@ check that failed, the kind of value that departed first, an exception's type an
 a crash's signal) and the shrunk case that shows it.
 
 With a baseline, each property's search counts an example whose every failure part the
-baseline records for that property as **known**, and goes on drawing; a failure with a
-part the baseline does not record is **NEW**, shrunk and replayed. Each recorded case the
-search did not meet again is judged so:
+baseline records for that property in the example's region (its DP entry point, model and
+mesh kind: tpdp_verify.runner.property.region) as **known**, and goes on drawing; a failure
+with a part the baseline does not record there is **NEW**, shrunk and replayed. Each
+recorded case the search did not meet again is judged so:
 
-- if every part of its signature shows in the run's failures of that property and world
-  size (in other combinations), it is **known** without a rerun;
+- if every part of its signature shows in the run's failures of that property, world size
+  and region (in other combinations), it is **known** without a rerun;
 - if it fails the same way (or only in other known ways), it is **known**;
 - if it fails with a part the baseline does not record, it **CHANGED**;
 - if it passes, it is **FIXED**.
@@ -21,6 +22,7 @@ New and changed divergences block a release (exit 1); known and fixed ones do no
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from dataclasses import dataclass, field
@@ -46,8 +48,15 @@ class Known:
     summary: str = field(default="", hash=False)  # the failure's first line, for readers
 
     @property
-    def key(self) -> tuple[str, int, signature.Signature]:
-        return self.property, self.world_size, self.signature
+    def key(self) -> tuple[str, int, str, signature.Signature]:
+        return self.property, self.world_size, self.region, self.signature
+
+    @functools.cached_property
+    def region(self) -> str:
+        """Where its case lies (tpdp_verify.runner.property.region): its parts are known there."""
+        from tpdp_verify.runner.property import region
+
+        return region(self.drawn())
 
     @property
     def kind(self) -> str:
@@ -76,10 +85,19 @@ class Known:
 
 
 def known_parts(entries: list[Known]) -> dict[str, set[str]]:
-    """Property -> every signature part its entries record (at any world size)."""
+    """Property -> every signature part its entries record (at any world size, in any region)."""
     parts: dict[str, set[str]] = {}
     for k in entries:
         parts.setdefault(k.property, set()).update(k.signature)
+    return parts
+
+
+def regional_parts(entries: list[Known]) -> dict[str, dict[str, set[str]]]:
+    """Property -> region -> every signature part its entries record there (at any world
+    size): what a case of that region may show and be known."""
+    parts: dict[str, dict[str, set[str]]] = {}
+    for k in entries:
+        parts.setdefault(k.property, {}).setdefault(k.region, set()).update(k.signature)
     return parts
 
 
@@ -88,7 +106,7 @@ DOC = "docs/known-divergences.md"  # where the shipped baselines' entries are ex
 
 def heading(k: Known) -> str:
     """The entry's heading in DOC (``markdown`` writes it)."""
-    return f"`{k.property}` (world size {k.world_size}): {k.kind}"
+    return f"`{k.property}` (world size {k.world_size}{', ' + k.region if k.region else ''}): {k.kind}"
 
 
 def slug(text: str) -> str:
@@ -202,24 +220,31 @@ def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Si
     """Sort a run's findings by the baseline, and give each its status. A finding the
     search raised is NEW; one it counted as known is known. ``rerun(entry)`` runs a listed
     case that the run did not meet again and returns its signature (() if it passes)."""
-    parts = known_parts(baseline)
-    shown = [(o.property, o.world_size, set(f.signature)) for o in outcomes for f in o.findings]
+    from tpdp_verify.runner.property import region
+
+    parts = regional_parts(baseline)
+
+    def knows(prop: str, where: str, sig) -> bool:
+        return signature.known(sig, parts.get(prop, {}).get(where, set()))
+
+    shown = [(o.property, o.world_size, region(f.drawn), set(f.signature)) for o in outcomes for f in o.findings]
     ran = {(o.property, o.world_size): o for o in outcomes}
     out = Judgement()
     for o in outcomes:
         for i, f in enumerate(o.findings):
-            if f.signature and signature.known(f.signature, parts.get(o.property, set())):
+            if f.signature and knows(o.property, region(f.drawn), f.signature):
                 o.findings[i] = f._replace(status="known")
             elif f.drawn is not None:
                 o.findings[i] = f._replace(status="NEW")
                 out.new.append(entry(o.property, o.world_size, f.signature, f.drawn, f.failure))
-    for listed in baseline:  # met when a failure of the run shows all of it (and maybe more)
-        if any((p, w) == (listed.property, listed.world_size) and s >= set(listed.signature) for p, w, s in shown):
+    for listed in baseline:  # met when a failure of the run in its region shows all of it (and maybe more)
+        where = (listed.property, listed.world_size, listed.region)
+        if any((p, w, r) == where and s >= set(listed.signature) for p, w, r, s in shown):
             out.known.append(listed)
             continue
-        # every part shown by this run's failures of the property, if in other combinations:
-        # each fault is still there, and a rerun of its case would only cost a pool call
-        seen = set().union(*(s for p, w, s in shown if (p, w) == (listed.property, listed.world_size)))
+        # every part shown by this run's failures of the property in its region, if in other
+        # combinations: each fault is still there, and a rerun would only cost a pool call
+        seen = set().union(*(s for p, w, r, s in shown if (p, w, r) == where))
         if seen >= set(listed.signature):
             out.known.append(listed)
             continue
@@ -231,7 +256,7 @@ def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Si
         if not now:
             out.fixed.append(listed)
             status = "FIXED"
-        elif signature.known(now, parts.get(listed.property, set())):
+        elif knows(listed.property, listed.region, now):
             out.known.append(listed)
             status = "known"
         else:
@@ -256,7 +281,8 @@ def judgement_report(j: Judgement, header: dict, name: str, updating: bool = Fal
                 + [8])
 
     def line(label: str, k: Known, extra: str = "") -> str:
-        return f"  {label:<8} {k.property:<{width}} world {k.world_size}  {k.kind}{extra}"
+        where = f" ({k.region})" if k.region else ""
+        return f"  {label:<8} {k.property:<{width}} world {k.world_size}{where}  {k.kind}{extra}"
 
     out = [title or f"baseline {name}: recorded on torch {header.get('torch')} with profile {header.get('profile')}"]
     out += [line("NEW", k, f": {k.summary}") for k in j.new]

@@ -116,7 +116,7 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
         findings = _findings(prop, pool, impl, group.exceptions, stats, [])
     except Exception as exc:
         raise InternalError(prop.name, exc) from exc
-    findings += [_finding(prop, pool, impl, text, sig, drawn) for sig, (text, drawn) in stats.learned.items()]
+    findings += [_finding(prop, pool, impl, text, sig, drawn) for (_, sig), (text, drawn) in stats.learned.items()]
     met = {f.signature for f in findings}  # what only known failures showed: one example each
     findings += [_finding(prop, pool, impl, "", sig, drawn, "known")
                  for sig, drawn in stats.known_seen.items() if sig not in met and not learn]
@@ -193,7 +193,7 @@ def iter_gate(
     timeout: float = 120.0,
     progress: Callable[[str], None] = print,
     every: float = 60.0,
-    known: dict[str, set[str]] | None = None,
+    known: dict[str, dict[str, set[str]]] | None = None,
     learn: bool = False,
     seed: int | None = None,
     rank_output: str | None = None,
@@ -203,7 +203,8 @@ def iter_gate(
 
     ``progress`` gets a line per property with the count done, the failures so far and
     the time since the start, and a line every ``every`` seconds a property runs.
-    ``known``: property -> the signature parts a baseline records (tpdp_verify.runner.baseline);
+    ``known``: property -> region -> the signature parts a baseline records there
+    (tpdp_verify.runner.baseline.regional_parts);
     ``judge``: instead, a property's judge on its pool (tpdp_verify.runner.replay: the
     baseline run on each failure's case); ``learn``: search on past each failure found, to
     write a baseline; ``seed``: draw
@@ -226,7 +227,7 @@ def iter_gate(
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
                 stats = Stats()
-                parts = judge(prop, pool, stats) if judge else None if known is None else known.get(prop.name, set())
+                parts = judge(prop, pool, stats) if judge else None if known is None else known.get(prop.name, {})
                 run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking)
                 outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn, stats)
                 outcome.unshrunk = profile.shrink and not run_profile.shrink

@@ -41,7 +41,7 @@ class Stats:
     # the same, a kind of failure (exception type) each: hypothesis shrinks distinct bugs apart
     failures: dict = field(default_factory=dict)
     cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
-    learned: dict = field(default_factory=dict)  # writing a baseline: signature -> (text, drawn)
+    learned: dict = field(default_factory=dict)  # writing a baseline: (region, signature) -> (text, drawn)
     replays: int = 0  # failures run again on the baseline implementation (gate --baseline-python)
     replay_seconds: float = 0.0  # the time those took, here and on the baseline's ranks
     by_parts: int = 0  # failures judged by the parts the baseline had shown, its replay budget spent
@@ -50,30 +50,53 @@ class Stats:
 Judge = Callable[[signature.Signature, dict], bool]  # (a failure's signature, its case) -> known?
 
 
-class KnownParts:
-    """Known by a file baseline: every part of the failure is recorded for the property.
-    Learning a baseline adds each new failure's parts."""
+def region(drawn: dict | None) -> str:
+    """Where a case lies, as a baseline tells faults apart: a training or checkpoint case's
+    DP entry point, model and mesh kind ("dp", "tp", "dp x tp"); "" for a case without them
+    (a tensor's, a module tree's), whose property is one region. A part seen under
+    ``replicate`` on the tied model says nothing of FSDP1 on the MLP."""
+    case = (drawn or {}).get("case")
+    entry, model, mesh = (getattr(case, a, None) for a in ("entry", "model", "mesh_shape"))
+    if not (isinstance(entry, str) and isinstance(model, str) and mesh):
+        return ""
+    dp, tp = mesh[0], mesh[-1]
+    kind = "dp x tp" if dp > 1 and tp > 1 else "tp" if tp > 1 else "dp" if dp > 1 else "one rank"
+    return f"{entry} {model} {kind}"
 
-    def __init__(self, parts=()):
-        self.parts = set(parts)
+
+class KnownParts:
+    """Known by a file baseline: every part of the failure is recorded for the property in
+    the case's region (``region``); given a plain set, for the property anywhere. Learning a
+    baseline adds each new failure's parts to its region."""
+
+    def __init__(self, parts: dict[str, set[str]] | set[str] | tuple = ()):
+        self.by_region = {r: set(p) for r, p in parts.items()} if isinstance(parts, dict) else None
+        self.parts = set() if isinstance(parts, dict) else set(parts)
+
+    def _of(self, drawn: dict | None) -> set[str]:
+        return self.parts if self.by_region is None else self.by_region.setdefault(region(drawn), set())
 
     def __call__(self, sig: signature.Signature, drawn: dict | None = None) -> bool:
-        return signature.known(sig, self.parts)
+        return signature.known(sig, self._of(drawn))
+
+    def learn(self, sig: signature.Signature, drawn: dict) -> None:
+        self._of(drawn).update(sig)
 
 
 class _Escape(BaseException):
     """Carries what is not a finding (the harness failing) out of hypothesis, unshrunk."""
 
 
-# How the baseline judges the property now running (None: no baseline).
+# How the baseline judges the property now running (None: no baseline), and the case it runs.
 _KNOWN: contextvars.ContextVar[Judge | None] = contextvars.ContextVar("tpdp_known", default=None)
+_DRAWN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tpdp_drawn", default=None)
 
 
 def known_now(sig: signature.Signature) -> bool:
-    """Whether the file baseline of the property now running knows every part of ``sig``:
-    a shortcut for reports, so never by replay (that needs the case, and costs a run)."""
+    """Whether the file baseline of the property now running knows every part of ``sig`` in
+    the running case's region: a shortcut for reports, so never by replay (that costs a run)."""
     known = _KNOWN.get()
-    return isinstance(known, KnownParts) and known(sig)
+    return isinstance(known, KnownParts) and known(sig, _DRAWN.get())
 
 
 def worth_explaining(sig: signature.Signature) -> bool:
@@ -175,13 +198,15 @@ class Property:
         run goes, so it is there even when the run raises.
         """
         stats = Stats() if stats is None else stats
-        known = set() if learn and known is None else known
+        known = {} if learn and known is None else known
         if known is not None and not callable(known):
             known = KnownParts(known)
 
         @functools.wraps(self.fn)  # hypothesis seeds and names the test from the property
         def run_one(*args, **kwargs):
             stats.examples += 1
+            drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
+            _DRAWN.set(drawn)
             try:
                 self.fn(*args, **kwargs)
             except UnsatisfiedAssumption:
@@ -191,14 +216,13 @@ class Property:
                 found = finding(exc) if isinstance(exc, Exception) else None
                 if found is None:
                     raise _Escape(exc) from exc
-                drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
                 if known is not None and _judged(known, found.signature, drawn):
                     stats.known += 1
                     stats.known_seen.setdefault(found.signature, drawn)
                     return
                 if learn:
-                    known.parts.update(found.signature)
-                    stats.learned[found.signature] = (str(found), drawn)
+                    known.learn(found.signature, drawn)
+                    stats.learned[region(drawn), found.signature] = (str(found), drawn)
                     return
                 stats.failing = stats.failures[type(found).__name__] = drawn
                 if found is exc:
@@ -207,7 +231,7 @@ class Property:
             stats.passed += 1
 
         strategies = {k: s(pool.world_size) if callable(s) else s for k, s in self.strategies.items()}
-        token = _KNOWN.set(known)
+        token, drawn_token = _KNOWN.set(known), _DRAWN.set(None)
         try:
             self._cover(run_one, strategies, pool, impl, stats)
             self._search(run_one, strategies, pool, impl, profile, stats)
@@ -222,6 +246,7 @@ class Property:
             raise self._with_cover(one, stats) from None
         finally:
             _KNOWN.reset(token)
+            _DRAWN.reset(drawn_token)
         if stats.cover_failures:
             raise self._with_cover(None, stats)
         if stats.passed + stats.known + len(stats.learned) == 0:

@@ -17,8 +17,9 @@ Two sides:
   nothing of the candidate's torch is imported there.
 
 A replay costs a run of the case, so a gate's replays have a budget: once spent, a failure
-every part of which the baseline has already shown for that property is counted known
-without a run (and counted as judged so); one with a part it has not shown is still replayed.
+every part of which the baseline has already shown for that property in the case's region
+is counted known without a run (and counted as judged so); one with a part it has not shown
+there is still replayed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from tpdp_verify import signature
 from tpdp_verify.errors import PoolError, UsageError
-from tpdp_verify.runner.property import Property, Stats, finding
+from tpdp_verify.runner.property import Property, Stats, finding, region
 
 
 class ReplayError(PoolError):
@@ -159,12 +160,13 @@ class Replayed:
 
     def __init__(self, side, prop: Property, pool, stats: Stats, budget: Budget):
         self.side, self.prop, self.pool, self.stats, self.budget = side, prop, pool, stats, budget
-        self.shown: set[str] = set()  # every part the baseline showed this property
+        self.shown: dict[str, set[str]] = {}  # region -> every part the baseline showed there
 
     def __call__(self, sig: signature.Signature, drawn: dict) -> bool:
         if not sig:
             return False
-        if not self.budget.left and set(sig) <= self.shown:
+        shown = self.shown.setdefault(region(drawn), set())
+        if not self.budget.left and set(sig) <= shown:
             self.stats.by_parts += 1
             return True
         start = time.monotonic()
@@ -173,7 +175,7 @@ class Replayed:
         self.stats.replays += 1
         self.stats.replay_seconds += seconds
         self.budget.spent += seconds
-        self.shown.update(now)
+        shown.update(now)
         return set(sig) <= set(now)
 
 
