@@ -165,10 +165,14 @@ class Transform:
 
     def pre_dp_module_transform(self, module: nn.Module) -> nn.Module:
         """Localize now; rebuild DTensors before each forward and localize again after it;
-        checkpoints hold DTensors, and load from them."""
-        self.localize_dtensor(module)
+        checkpoints hold DTensors, and load from them. What DDP was told to ignore is left
+        as it is, now and after every forward: DDP names it on the module before it calls
+        this (``_ddp_params_and_buffers_to_ignore``)."""
+        ignored = {p for n, p in module.named_parameters()
+                   if n in set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))}
+        self.localize_dtensor(module, ignored_params=ignored)
         module.register_forward_pre_hook(self.reconstruct_dtensor)
-        module.register_forward_hook(self.localize_dtensor)
+        module.register_forward_hook(functools.partial(type(self).localize_dtensor, self, ignored_params=ignored))
         # partials, not bound methods: torch marks hooks with an attribute
         module.register_state_dict_post_hook(functools.partial(type(self).state_dict_of_dtensors, self))
         module.register_load_state_dict_pre_hook(functools.partial(type(self).load_local_shards, self))

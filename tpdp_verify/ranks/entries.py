@@ -39,13 +39,21 @@ def dp_mesh(case: TrainCase, mesh):
     return {"dp_over_tp": mesh["tp"], "dp_over_mesh": mesh}.get(case.wiring, mesh["dp"])
 
 
-def _ddp(model, case: TrainCase, **group):
-    """DistributedDataParallel with the case's options, its ignore list and its comm hook."""
+def _ignore_for_ddp(model, case: TrainCase) -> None:
+    """DDP's ignore list (Habits.ignored), named on the model as users name it, before any
+    transform or wrapper reads it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if (skip := ignored(model, case)) is not None:
         names = [n for n, p in model.named_parameters() if any(p is q for q in skip.parameters())]
         DDP._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def _ddp(model, case: TrainCase, **group):
+    """DistributedDataParallel with the case's options, its ignore list and its comm hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _ignore_for_ddp(model, case)
     ddp = DDP(model, **group, **case.ddp.kwargs())
     if case.ddp.comm_hook is not None:
         register_comm_hook(ddp, case, ddp.process_group)
@@ -70,6 +78,7 @@ def wrap_ddp_mesh(model, case: TrainCase, mesh, impl) -> Wrapped:
 
 
 def wrap_transform_ddp(model, case: TrainCase, mesh, impl) -> Wrapped:
+    _ignore_for_ddp(model, case)  # the list first: the transform is DDP's, and may read it
     impl.pre_dp_module_transform(model)
     ddp = _ddp(model, case, process_group=dp_mesh(case, mesh).get_group())
     return Wrapped(ddp, ddp.module, ddp.no_sync)
