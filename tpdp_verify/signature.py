@@ -96,6 +96,11 @@ _UNDER_TEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "impls") 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
+def _stdlib(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_STDLIB) and "site-packages" not in path
+
+
 def _harness(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path.startswith(_HARNESS):
@@ -113,9 +118,10 @@ def _short(filename: str) -> str:
     return os.path.basename(filename)
 
 
-# Call machinery: every module call, and every function torch decorates with no_grad,
-# passes it, so it names no API
-_CALLING = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py")
+# Call machinery: every module call, every function torch decorates (no_grad, DCP's
+# logging) passes it, so it names no API; the decorated function within does
+_CALLING = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py", "torch/distributed/checkpoint/logger.py")
+_WRAPPERS = ("wrapper", "_no_grad_wrapper", "decorate_context")
 
 
 def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
@@ -127,14 +133,14 @@ def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
     forward raised), the last run it went through before."""
     runs: list[list[tuple[str, str]]] = [[]]
     for frame in frames:
-        if frame[0].startswith("<"):
-            continue  # generated code (a dataclass's __init__), importlib: the caller's, whoever that is
+        if frame[0].startswith("<") or _stdlib(frame[0]):
+            continue  # generated code (a dataclass's __init__), contextlib, functools: the caller's
         if not _harness(frame[0]):
             runs[-1].append(frame)
         elif runs[-1]:
             runs.append([])
     run = next((r for r in reversed(runs) if r), [])
-    named = [f for f in run if not _short(f[0]).startswith(_CALLING)]
+    named = [f for f in run if not _short(f[0]).startswith(_CALLING) and f[1] not in _WRAPPERS]
     return (named or run or [None])[0]
 
 
