@@ -1,0 +1,59 @@
+"""An exception's signature part names the API of torch the harness entered: it survives a
+refactor that moves the raise into another helper, and keeps the innermost frame as a detail."""
+
+import os
+
+import torch
+
+from tpdp_verify import signature
+
+HARNESS = os.path.join(os.path.dirname(signature.__file__), "ranks", "loop.py")
+STDLIB = os.path.join(os.path.dirname(os.__file__), "contextlib.py")
+TORCH = "/env/site-packages/torch/"
+
+
+def part(*frames) -> str:
+    return signature._pick([(f if f.startswith("/") else TORCH + f, fn) for f, fn in frames], "RuntimeError")
+
+
+def test_the_part_is_where_the_harness_entered_torch_whichever_helper_raised():
+    """torch 2.11 raises DDP's mesh fault in one helper, 2.13 in another: one part."""
+    in_2_11 = part((HARNESS, "wrap"), ("nn/parallel/distributed.py", "__init__"),
+                   ("distributed/tensor/_dispatch.py", "_try_replicate_spec_for_scalar_tensor"))
+    in_2_13 = part((HARNESS, "wrap"), ("nn/parallel/distributed.py", "__init__"),
+                   ("distributed/utils.py", "_sync_params_and_buffers"))
+    assert in_2_11 == in_2_13 == "raised:RuntimeError at torch/nn/parallel/distributed.py:__init__"
+
+
+def test_call_machinery_and_the_standard_library_name_no_api():
+    assert part((HARNESS, "step"), ("nn/modules/module.py", "_wrapped_call_impl"), ("nn/modules/module.py", "_call_impl"),
+                ("nn/parallel/distributed.py", "forward"), ("nn/parallel/distributed.py", "_pre_forward")) == \
+        "raised:RuntimeError at torch/nn/parallel/distributed.py:forward"
+    assert part((HARNESS, "whole"), (STDLIB, "__enter__"), ("distributed/fsdp/fully_sharded_data_parallel.py",
+                                                            "summon_full_params"), (STDLIB, "__enter__"),
+                ("distributed/fsdp/_unshard_param_utils.py", "_unshard_fsdp_state_params")) == \
+        "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:summon_full_params"
+    assert part((HARNESS, "clip"), ("nn/utils/clip_grad.py", "_no_grad_wrapper"),
+                ("nn/utils/clip_grad.py", "clip_grad_norm_")) == \
+        "raised:RuntimeError at torch/nn/utils/clip_grad.py:clip_grad_norm_"
+
+
+def test_the_innermost_run_of_torch_is_the_one_named():
+    """A fixture's forward (harness) between two runs of torch: the inner run raised."""
+    assert part((HARNESS, "step"), ("nn/parallel/distributed.py", "forward"), (HARNESS, "fixture_forward"),
+                ("distributed/tensor/_api.py", "__torch_dispatch__"), ("distributed/tensor/_dispatch.py", "dispatch")) \
+        == "raised:RuntimeError at torch/distributed/tensor/_api.py:__torch_dispatch__"
+    # a C++ op raised in the harness's own frame: the last run of torch it went through
+    assert part((HARNESS, "step"), ("nn/modules/module.py", "_call_impl"), (HARNESS, "fixture_forward")) == \
+        "raised:RuntimeError at torch/nn/modules/module.py:_call_impl"
+    assert part((HARNESS, "check")) == "raised:RuntimeError"
+
+
+def test_a_real_exception_keeps_its_innermost_frame_as_a_detail():
+    try:
+        torch.optim.SGD([], lr=0.1)
+    except ValueError as exc:
+        torch_frames = signature._frames(exc)[1:]  # this test's own frame is not the harness's
+        assert signature._pick([(HARNESS, "step"), *torch_frames], "ValueError") == \
+            "raised:ValueError at torch/optim/sgd.py:__init__"
+        assert signature.innermost(exc) == " (raised in torch/optim/optimizer.py:__init__)"
