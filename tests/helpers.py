@@ -1,5 +1,9 @@
-"""Helpers for tests: processes that come and go, properties that diverge."""
+"""Helpers for tests: processes that come and go, the sockets they listen on, properties
+that diverge."""
 
+import ipaddress
+import os
+import socket
 import time
 
 import pytest
@@ -26,6 +30,65 @@ def wait_gone(pids, seconds: float = 15.0) -> list[int]:
             return []
         time.sleep(0.1)
     return [p for p in pids if alive(p)]
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (a pool's ranks are its fork server's children)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+        except (ValueError, OSError):  # not a process, or gone while we looked
+            continue
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    """/proc/net/tcp's ``0100007F:1F90`` as ("127.0.0.1", 8080): the address in 32-bit words,
+    each in the machine's byte order (little-endian here)."""
+    address, port = hex_address.split(":")
+    raw = bytes.fromhex(address)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)
+
+
+def listening(pids) -> dict[int, list[tuple[str, int]]]:
+    """pid -> the (address, port) of each TCP socket it listens on, from /proc/net/tcp and tcp6."""
+    listeners = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A":  # TCP_LISTEN
+                    listeners[int(cols[9])] = _address(cols[1])
+    out = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone
+            continue
+        links = []
+        for fd in fds:
+            try:
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:  # closed while we looked
+                pass
+        out[pid] = [listeners[int(t[8:-1])] for t in links if t.startswith("socket:[") and int(t[8:-1]) in listeners]
+    return out
+
+
+def exposed(pids) -> dict[int, list[tuple[str, int]]]:
+    """Of ``listening``, the sockets not on the loopback interface (``::`` and 0.0.0.0 too)."""
+    def loopback(address: str) -> bool:
+        ip = ipaddress.ip_address(address)
+        return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+    return {pid: bad for pid, socks in listening(pids).items() if (bad := [s for s in socks if not loopback(s[0])])}
 
 
 def divergences(prop, pool, impl, profile) -> tuple[list[Divergence], Stats]:

@@ -3,7 +3,10 @@
 ``RankPool(world_size)`` spawns ``world_size`` processes that join a process group
 (gloo on CPU, NCCL when every rank has its own GPU) through a TCPStore the parent
 hosts on 127.0.0.1, on a port the OS picks, so pools never collide.  The ranks then
-serve ``pool.run(fn, *args)`` until the pool is closed.
+serve ``pool.run(fn, *args)`` until the pool is closed.  Every socket of a spawned pool
+listens on the loopback interface only, the store's and the ranks' own (gloo's, NCCL's
+bootstrap): the store has no authentication, and whoever reached it could write the
+group's keys.
 
 The parent is the judge of liveness: a call that some ranks do not answer within its
 timeout, or a rank that dies, tears the ranks down (SIGKILL) and the next call spawns
@@ -194,6 +197,24 @@ def _loopback_interface() -> str:
     return "lo"
 
 
+def _loopback_store(world_size: int, timeout: float):
+    """The parent's TCPStore, listening on 127.0.0.1 only. Given a host, TCPStore still
+    listens on every interface (``::``, IPv4 too), so it gets a socket already bound here
+    (``master_listen_fd``), which it owns from then on and closes with itself."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
+        listener.listen(world_size + 1)
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout), master_listen_fd=listener.detach())
+
+
 def _portable(result: Any) -> Any:
     """Tensors come back detached and on CPU; DTensors must be made plain first."""
     import torch
@@ -271,9 +292,11 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
     try:
+        # Spawned ranks are on one host: their listeners (gloo's pairs, NCCL's bootstrap) go on
+        # the loopback interface whatever the environment names for multi-host runs.
         loopback = _loopback_interface()
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+        os.environ["NCCL_SOCKET_IFNAME"] = loopback
         import torch
         import torch.distributed as dist
 
@@ -371,15 +394,10 @@ class _Ranks:
 
     def __init__(self, world_size: int, backend: str, start_timeout: float, pg_timeout: float,
                  output: str | None = None):
-        import torch.distributed as dist
-
         ctx = _context()
         _start_server(ctx)
         self.limit = start_timeout  # the running call's timeout, for its message
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=start_timeout),
-        )
+        self.store = _loopback_store(world_size, start_timeout)
         lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
         self.procs, self.conns = [], []
         self.stack_dir = tempfile.mkdtemp(prefix="tpdp-stacks-")
