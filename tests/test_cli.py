@@ -167,7 +167,9 @@ def test_gate_json_has_the_header_and_an_entry_per_property(torch_gate, passes):
         "command": "gate", "impl": "torch", "profile": "smoke", "backend": "auto",
         "world_sizes": [2], "exit_code": out.returncode, "error": ""}
     assert [p["name"] for p in record["properties"]] == [prop.name for prop in ALL]
-    assert record["counts"] == {"pass": len(passes), "known": 0, "diverges": len(ALL) - len(passes), "infra": 0}
+    assert record["counts"] == {"pass": len(passes), "known": 0, "diverges": len(ALL) - len(passes), "infra": 0,
+                                "interrupted": 0}
+    assert record["interrupted"] is None
     for p, prop in zip(record["properties"], ALL):
         assert p["examples"] >= 1 and p["backend"] == "gloo"
         if prop in passes:

@@ -2,6 +2,7 @@
 (a pass, ranks that hung, a run cut short, text XML cannot carry), in milliseconds."""
 
 import json
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from tpdp_verify import outputs
 from tpdp_verify.errors import UsageError
 from tpdp_verify.runner import profiles
-from tpdp_verify.runner.gate import Finding, Outcome
+from tpdp_verify.runner.gate import Finding, Outcome, interrupted
 from tpdp_verify.runner.property import Stats
 
 FAILURE = "tpdp_verify.judging.divergence.Diverged: 2 of 9 values beyond their bound\nFalsifying example: f(case=1)"
@@ -35,7 +36,8 @@ def record(error=""):
 
 def test_json_counts_and_keys():
     data = json.loads(outputs.to_json(record()))
-    assert data["counts"] == {"pass": 1, "known": 1, "diverges": 1, "infra": 1}
+    assert data["counts"] == {"pass": 1, "known": 1, "diverges": 1, "infra": 1, "interrupted": 0}
+    assert data["interrupted"] is None
     assert [p["status"] for p in data["properties"]] == ["pass", "diverges", "infra", "known"]
     assert data["properties"][0]["report"] == "" and data["properties"][1]["findings"][0]["replay"]
     assert list(data["properties"][0]) == ["name", "world_size", "backend", "status", "drawn", "wanted",
@@ -68,6 +70,26 @@ def test_junit_counts_a_run_cut_short_as_one_more_error():
     assert suite.findall("testcase")[-1].find("error").get("message") == why
 
 
+def test_an_interrupted_run_lists_the_searches_left_and_is_an_error_in_every_file():
+    left = interrupted([(type("P", (), {"name": n})(), 4) for n in ("running", "waiting")], "SIGTERM", 2.5, 40)
+    data = outputs.gate_record(OUTCOMES[:1] + left, profiles.get("ci"), "torch", "auto", 9.0, 143,
+                               "2025-01-01T00:00:00+00:00", "interrupted by SIGTERM during running (world size 4)",
+                               interrupted={"signal": "SIGTERM", "during": "search"})
+    assert data["interrupted"] == {"signal": "SIGTERM", "during": "search", "not_run": [
+        {"name": "running", "world_size": 4}, {"name": "waiting", "world_size": 4}]}
+    assert data["counts"]["interrupted"] == 2 and not any(p["drew_fewer"] for p in data["properties"])
+    assert [p["message"] for p in data["properties"][1:]] == ["interrupted by SIGTERM while it ran",
+                                                              "not run: the gate was interrupted by SIGTERM"]
+    suite = ET.fromstring(outputs.to_junit(data)).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "0", "3")
+    assert [c.find("error").get("message") for c in suite.findall("testcase")[1:3]] == [
+        "interrupted by SIGTERM while it ran", "not run: the gate was interrupted by SIGTERM"]
+    md = outputs.to_markdown(data)
+    assert md.startswith("# tpdp-verify gate: INTERRUPTED by SIGTERM: 1 passed, 0 known only, 0 diverged, "
+                         "0 infrastructure failures, 2 interrupted\n")
+    assert "| running | 4 | INTERRUPTED | 0 | 0 |  | 2.5 |" in md and "## running" not in md
+
+
 def test_markdown_fences_each_report_beyond_its_own_backticks():
     md = outputs.to_markdown(record("cut short"))
     assert "| diverges | 4 | DIVERGES | 11 (fewer than 40) | 0 | NEW: k | 2.5 |" in md
@@ -82,6 +104,20 @@ def test_check_writable_leaves_no_file_and_keeps_an_existing_one(tmp_path):
     assert existing.read_text() == "kept" and not (tmp_path / "new.xml").exists()
     with pytest.raises(UsageError, match=r"^cannot write --markdown .*/no/x.md: No such file"):
         outputs.check_writable({"--markdown": str(tmp_path / "no" / "x.md")})
+
+
+def test_check_writable_refuses_a_folder_that_takes_no_new_file(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    (folder / "gate.json").write_text("old")
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("this user writes anywhere (root)")
+        with pytest.raises(UsageError, match=r"^cannot write --json .*gate.json: Permission denied"):
+            outputs.check_writable({"--json": str(folder / "gate.json")})
+    finally:
+        folder.chmod(0o755)
 
 
 def test_a_plan_report_renders_as_json_junit_and_markdown_that_agree():

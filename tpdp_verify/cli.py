@@ -1,16 +1,20 @@
 """``tpdp-verify``: the command line. A subparser and a ``_<command>(args)`` each; exit codes
-(docs/cli.md): 0 ok, 1 divergence, 2 usage, 3 infrastructure."""
+(docs/cli.md): 0 ok, 1 divergence, 2 usage, 3 infrastructure; 130 and 143 interrupted by
+SIGINT and SIGTERM, after the gate and plan have written their outputs (marked interrupted)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 import warnings
 
 from tpdp_verify import torch_release
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
+from tpdp_verify.interrupts import Interrupted, caught
 from tpdp_verify.runner import profiles
 
 
@@ -21,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         "exactly like the unsharded model.",
         epilog="exit codes: 0 ok, 1 divergence found, 2 usage or input error, "
         "3 infrastructure failure (the harness: ranks would not start, an internal error; "
-        "ranks that crash or hang in the code under test are a divergence)",
+        "ranks that crash or hang in the code under test are a divergence), "
+        "130 and 143 interrupted by SIGINT and SIGTERM (the outputs written, marked interrupted)",
     )
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -159,70 +164,124 @@ def _gate(args: argparse.Namespace) -> int:
     replaying = [f"--{o.replace('_', '-')}" for o in ("baseline", "baseline_python", "baseline_impl") if getattr(args, o)]
     if len(replaying) > 1:
         raise UsageError(f"{' and '.join(replaying)} are two baselines: give one (a file, or a side to replay on)")
+    run = _GateRun(args, files)
+    try:
+        return _run_gate(args, run)
+    except Interrupted as exc:
+        return run.interrupted(exc)
+    finally:
+        if run.side:
+            run.side.close(at_once=run.stopped)
+
+
+class _GateRun:
+    """A gate run's state as it goes: what its outputs are written from, at its end, when
+    it fails, and when a signal stops it."""
+
+    def __init__(self, args: argparse.Namespace, files: dict[str, str]):
+        from tpdp_verify import outputs
+
+        self.args, self.files = args, files
+        self.started, self.start = outputs.now(), time.monotonic()
+        self.profile = profiles.get(args.profile)
+        self.suite = self.known = self.side = self.judged = None
+        self.outcomes: list = []
+        self.during = "start-up"  # then search, baseline (judging by it), report
+        self.last = self.start  # when the last search ended: the running one's start, or near it
+        self.stopped = False  # by a signal
+        self.wrote_baseline = False
+
+    def record(self, code: int, error: str = "", interrupted: dict | None = None) -> dict:
+        from tpdp_verify import outputs
+
+        args, side = self.args, self.side
+        return outputs.gate_record(self.outcomes, self.profile, args.impl, args.backend, time.monotonic() - self.start,
+                                   code, self.started, error,
+                                   baseline=side.what if side else args.baseline if self.known else "",
+                                   judged=self.judged, excluded=self.suite.exclusion_records() if self.suite else [],
+                                   seed=args.seed, interrupted=interrupted)
+
+    def searched(self, outcome) -> None:
+        self.outcomes.append(outcome)
+        self.last = time.monotonic()
+
+    def interrupted(self, exc: Interrupted) -> int:
+        """Write every output with what was judged, the searches left marked interrupted, and
+        say so in one line; the ranks are stopped already (the exception retired them)."""
+        from tpdp_verify import outputs
+        from tpdp_verify.runner.gate import interrupted, searches
+
+        self.stopped = True
+        todo = searches(self.suite.properties, self.profile) if self.suite else []
+        done, left = len(self.outcomes), todo[len(self.outcomes):]
+        running = time.monotonic() - self.last if self.during == "search" and left else None
+        self.outcomes += interrupted(left, exc.name, running, self.profile.max_examples)
+        where = {"start-up": "before the first search", "baseline": "while the baseline judged the findings",
+                 "report": "while reporting"}.get(self.during) or \
+            (f"during {left[0][0].name} (world size {left[0][1]})" if running is not None else "between searches")
+        said = f"interrupted by {exc.name} {where}: {done} of {len(todo)} searches judged"
+        outputs.write(self.files, self.record(exc.exit_code, said, {"signal": exc.name, "during": self.during}))
+        print(f"tpdp-verify: {said}" + (f", {len(left)} marked interrupted" if left else "")
+              + (f"; written to {', '.join(self.files.values())}" if self.files else "")
+              + (f"; {self.args.baseline} left as it was" if self.args.update_baseline and not self.wrote_baseline
+                 else ""), file=sys.stderr)
+        return exc.exit_code
+
+
+def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
     from tpdp_verify import outputs
     from tpdp_verify.ranks import pool
 
     pool.warm_up()  # the ranks' torch imports while this process imports its own
     from tpdp_verify.runner import baseline, replay
+    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
     from tpdp_verify.runner.suite import load as load_suite
 
-    known, side = None, None
     if args.baseline_impl:
-        side = replay.ImplSide(args.baseline_impl)
+        run.side = replay.ImplSide(args.baseline_impl)
     elif args.update_baseline:
         outputs.check_writable({"--baseline": args.baseline})
-        known = baseline.recorded(args.baseline)  # merged: each draw meets only some faults
+        run.known = baseline.recorded(args.baseline)  # merged: each draw meets only some faults
     elif args.baseline:
-        known = baseline.load(args.baseline)  # a bad file fails now
+        run.known = baseline.load(args.baseline)  # a bad file fails now
 
-    profile = profiles.get(args.profile)
-    suite = load_suite(args.suite)
+    profile, known = run.profile, run.known
+    suite = run.suite = load_suite(args.suite)
     logs = _quiet(args)
     if args.baseline_python:
         print(f"baseline: starting {args.baseline_python}", flush=True)
-        side = replay.PythonSide(args.baseline_python, args.suite, args.backend, args.timeout, logs)
-    budget = replay.Budget(profile.replay_total)
+        run.side = replay.PythonSide(args.baseline_python, args.suite, args.backend, args.timeout, logs)
+    side, budget = run.side, replay.Budget(profile.replay_total)
+    files = run.files
+    run.started, run.start = outputs.now(), time.monotonic()  # the run's seconds: from its first rank on
+    start = run.last = run.start
     try:
-        return _run_gate(args, files, profile, suite, logs, known, side, budget)
-    finally:
-        if side:
-            side.close()
-
-
-def _run_gate(args, files, profile, suite, logs, known, side, budget) -> int:
-    from tpdp_verify import outputs
-    from tpdp_verify.runner import baseline, replay
-    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
-
-    started, start, outcomes = outputs.now(), time.monotonic(), []
-    judged = None
-
-    def record(code: int, error: str = "") -> dict:
-        return outputs.gate_record(outcomes, profile, args.impl, args.backend, time.monotonic() - start,
-                                   code, started, error, baseline=side.what if side else args.baseline if known else "",
-                                   judged=judged, excluded=suite.exclusion_records(), seed=args.seed)
-
-    try:
-        for outcome in iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
-                                 progress=lambda line: print(line, flush=True),
-                                 known=baseline.regional_parts(known[1]) if known else None,
-                                 learn=args.update_baseline, seed=args.seed, rank_output=logs,
-                                 judge=(lambda prop, pool, stats: replay.Replayed(side, prop, pool, stats, budget))
-                                 if side else None):
-            outcomes.append(outcome)
+        run.during = "search"
+        searches = iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
+                             progress=lambda line: print(line, flush=True),
+                             known=baseline.regional_parts(known[1]) if known else None,
+                             learn=args.update_baseline, seed=args.seed, rank_output=logs,
+                             judge=(lambda prop, pool, stats: replay.Replayed(side, prop, pool, stats, budget))
+                             if side else None)
+        with contextlib.closing(searches):  # an interrupt between searches: the ranks stop now, not at exit
+            for outcome in searches:
+                run.searched(outcome)
+        run.during = "baseline"
         if known:
             with rerunner(suite.properties, args.impl, args.backend, args.timeout, logs) as rerun:
-                judged = baseline.judge(outcomes, known[1], rerun)
+                run.judged = baseline.judge(run.outcomes, known[1], rerun)
         elif side:
-            judged = replay.judge(outcomes)
+            run.judged = replay.judge(run.outcomes)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
-        outputs.write(files, record(EXIT_INFRA, str(exc)))
+        outputs.write(files, run.record(EXIT_INFRA, str(exc)))
         raise
     except InternalError as exc:
         log = _internal_log(exc.original)
-        outputs.write(files, record(EXIT_INFRA, f"{exc} (traceback in {log})"))
+        outputs.write(files, run.record(EXIT_INFRA, f"{exc} (traceback in {log})"))
         print(f"tpdp-verify: internal error: {exc}; the traceback is in {log}", file=sys.stderr)
         return EXIT_INFRA
+    run.during = "report"
+    outcomes, judged = run.outcomes, run.judged
     print()
     print(summary(outcomes, profile, args.impl, time.monotonic() - start, suite.summary_lines()))
     code = exit_code(outcomes)
@@ -233,10 +292,11 @@ def _run_gate(args, files, profile, suite, logs, known, side, budget) -> int:
                                         "there; known when it fails the same way"))
     if args.update_baseline and code != EXIT_INFRA:
         count = baseline.write(args.baseline, outcomes, profile.name, args.impl, judged.not_run if judged else ())
+        run.wrote_baseline = True
         kept = f" (its recorded cases kept where they still fail, {len(judged.fixed)} fixed dropped)" if judged else ""
         print(f"\nwrote {count} known divergences to {args.baseline}{kept}")
         code = EXIT_OK
-    outputs.write(files, record(code))  # with divergences too: they are what CI shows
+    outputs.write(files, run.record(code))  # with divergences too: they are what CI shows
     _said_where(logs)
     return code
 
@@ -293,9 +353,34 @@ def _plan(args: argparse.Namespace) -> int:
              "optimizer": args.optimizer}
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does; the ranks and their fork server inherit it
-    # the ranks' imports (torch, the user's modules) while this process imports its own
-    pool.warm_up(tuple(v.partition(":")[0] for v in (args.model, *given.values()) if v and ":" in v))
     started, start = outputs.now(), time.monotonic()
+    try:
+        # the ranks' imports (torch, the user's modules) while this process imports its own
+        pool.warm_up(tuple(v.partition(":")[0] for v in (args.model, *given.values()) if v and ":" in v))
+        return _run_plan(args, files, given, started, start)
+    except Interrupted as exc:  # no verdict: the record says so, every file is written
+        outputs.write(files, outputs.plan_interrupted(_plan_case(args), exc.name, exc.exit_code, started,
+                                                      time.monotonic() - start, args.baseline or "", _replay_line()))
+        print(f"tpdp-verify: interrupted by {exc.name} before the verdict"
+              + (f"; written to {', '.join(files.values())}, marked interrupted" if files else ""), file=sys.stderr)
+        return exc.exit_code
+
+
+def _plan_case(args: argparse.Namespace) -> dict:
+    """The case of a plan run, as its report's JSON names it, from the options alone."""
+    from tpdp_verify.cases.training import DP
+
+    dp, tp = args.mesh
+    return {"model": args.model, "mesh": [dp, tp], "dp": DP[args.dp], "steps": args.steps,
+            "accumulate": args.accumulate, "batch": args.batch or 2 * dp, "dtype": args.dtype, "seed": args.seed}
+
+
+def _replay_line() -> str:
+    return "tpdp-verify " + " ".join(sys.argv[1:])
+
+
+def _run_plan(args: argparse.Namespace, files: dict[str, str], given: dict, started: str, start: float) -> int:
+    from tpdp_verify import outputs
     from tpdp_verify.plan import verify_plan
 
     model_fn = _named(args.model, "the model")
@@ -307,7 +392,7 @@ def _plan(args: argparse.Namespace) -> int:
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
                          backend=args.backend, timeout=args.timeout, baseline=args.baseline,
-                         replay="tpdp-verify " + " ".join(sys.argv[1:]), rank_output=logs)
+                         replay=_replay_line(), rank_output=logs)
     print(report)
     code = EXIT_OK if report.ok else EXIT_DIVERGENCE
     outputs.write(files, outputs.plan_record(report, code, started, time.monotonic() - start))
@@ -335,7 +420,8 @@ def _one_line(message, category, filename, lineno, file=None, line=None) -> None
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        with warnings.catch_warnings():  # a warning of ours is one line, as an error is
+        # SIGINT and SIGTERM raise Interrupted (once): gate and plan write what they judged
+        with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
             warnings.showwarning = _one_line
             if args.command != "env":  # env says what this machine has, torch too old or not
                 torch_release.check()
@@ -346,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     except PoolError as exc:
         print(f"tpdp-verify: infrastructure failure: {exc}", file=sys.stderr)
         return EXIT_INFRA
-    except KeyboardInterrupt:
-        print("tpdp-verify: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # where a command had nothing to write yet (env, or before its run)
+        stopped = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)  # Python's own handler raised it
+        print(f"tpdp-verify: interrupted by {stopped.name}", file=sys.stderr)
+        return stopped.exit_code
     except Exception as exc:  # tpdp-verify's own failure: one line, the traceback in a log, never 1
         print(f"tpdp-verify: internal error: {type(exc).__name__}: {exc}; the traceback is in "
               f"{_internal_log(exc)}", file=sys.stderr)

@@ -3,6 +3,8 @@
 A run becomes one record, a dict whose keys docs/cli.md documents; the JSON file is the
 record itself and the JUnit and Markdown files are views of it, so the three agree.
 Output paths are checked before the run: a typo in a path must not cost a long run.
+Each file is written whole or not at all (tpdp_verify.files): a run killed while it writes
+leaves the previous file, never half of a new one that CI would read.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ import json
 import os
 import platform
 import re
+import tempfile
 import xml.etree.ElementTree as ET
 from importlib import metadata
 from typing import Callable
 
 from tpdp_verify.errors import UsageError
+from tpdp_verify.files import write_whole
 
 # torch and the gate are imported where used: a bad output path fails before they load
 
 SCHEMA = 2  # bumped when a key changes meaning or goes away; new keys keep it
+# a search's status: interrupted only in a run a signal stopped, for the searches it left unjudged
+STATUSES = ("pass", "known", "diverges", "infra", "interrupted")
 
 
 # -- files
@@ -38,18 +44,22 @@ def check_writable(files: dict[str, str]) -> None:
         try:
             with open(path, "a", encoding="utf-8"):  # "a": an existing file keeps its text
                 pass
+            # write_whole makes its temporary file beside the output: the folder must take one
+            fd, probe = tempfile.mkstemp(dir=os.path.dirname(real), prefix=".tpdp-verify-", suffix=".tmp")
+            os.close(fd)
+            os.remove(probe)
         except OSError as exc:
             raise UsageError(_cannot_write(option, path, exc)) from None
-        if not existed:
-            os.remove(path)
+        finally:
+            if not existed and os.path.lexists(path):
+                os.remove(path)
 
 
 def write(files: dict[str, str], record: dict) -> None:
     """Render ``record`` into each file asked for: ``{"--junit": path}`` gets JUnit XML."""
     for option, path in files.items():
         try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(RENDER[option](record))
+            write_whole(path, RENDER[option](record))
         except OSError as exc:
             raise UsageError(_cannot_write(option, path, exc)) from None
 
@@ -75,11 +85,13 @@ def _version() -> str:
 
 def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float,
                 exit_code: int, started: str, error: str = "", baseline: str = "", judged=None,
-                excluded: list[dict] = (), seed: int | None = None) -> dict:
+                excluded: list[dict] = (), seed: int | None = None, interrupted: dict | None = None) -> dict:
     """The gate's run as plain data: the header, the counts and one entry per outcome.
 
     With a baseline each finding carries its status (NEW, CHANGED, known, FIXED): the exit
     code, the JUnit failures and the Markdown table all follow from those statuses.
+    ``interrupted``: for a run a signal stopped, ``{"signal", "during"}``; the searches it left
+    are outcomes of status "interrupted", listed again under its "not_run".
     """
     import torch
 
@@ -104,8 +116,10 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "seconds": round(seconds, 3),
         "exit_code": exit_code,
         "error": error,
+        "interrupted": interrupted and {**interrupted, "not_run": [
+            {"name": o.property, "world_size": o.world_size} for o in outcomes if o.status == "interrupted"]},
         "baseline": _judgement(baseline, judged),
-        "counts": {s: sum(o.status == s for o in outcomes) for s in ("pass", "known", "diverges", "infra")},
+        "counts": {s: sum(o.status == s for o in outcomes) for s in STATUSES},
         "not_searched": list(excluded),
         "properties": [
             {
@@ -161,13 +175,28 @@ def plan_record(report, exit_code: int, started: str, seconds: float) -> dict:
 
     return {"schema": SCHEMA, "command": "plan", "tpdp_verify": _version(), "torch": torch.__version__,
             "python": platform.python_version(), "started": started, "seconds": round(seconds, 3),
-            "exit_code": exit_code, **report.to_dict()}
+            "exit_code": exit_code, "interrupted": None, **report.to_dict()}
+
+
+def plan_interrupted(case: dict, signal: str, exit_code: int, started: str, seconds: float, baseline: str,
+                     replay: str) -> dict:
+    """A ``plan`` run a signal stopped before its verdict: the keys a report has, nothing judged
+    (the verdict needs every run of the case), ``ok`` false, status INTERRUPTED."""
+    import torch
+
+    return {"schema": SCHEMA, "command": "plan", "tpdp_verify": _version(), "torch": torch.__version__,
+            "python": platform.python_version(), "started": started, "seconds": round(seconds, 3),
+            "exit_code": exit_code, "interrupted": {"signal": signal}, "ok": False, "status": "INTERRUPTED",
+            "baseline": baseline or None, "known": [], "new": [], "case": case, "checks": [],
+            "outputs_not_compared": [], "first_module": None, "plain_ddp": "", "failures": [],
+            "report": f"interrupted by {signal} before the verdict: nothing was judged", "replay": replay}
 
 
 def _plan_junit(record: dict) -> str:
     """One <testcase> a check of the report; a failed check is a <failure> with its detail."""
-    checks = record["checks"]
-    totals = {"tests": str(len(checks)), "failures": str(sum(c["ok"] is False for c in checks)), "errors": "0",
+    checks, interrupted = record["checks"], bool(record.get("interrupted"))
+    totals = {"tests": str(len(checks) + interrupted), "failures": str(sum(c["ok"] is False for c in checks)),
+              "errors": str(int(interrupted)),
               "skipped": str(sum(c["ok"] is None for c in checks)), "time": f"{record['seconds']:.3f}"}
     root = ET.Element("testsuites", name="tpdp-verify plan", **totals)
     suite = ET.SubElement(root, "testsuite", name=f"tpdp-verify plan {record['case']['model']}", **totals,
@@ -182,13 +211,17 @@ def _plan_junit(record: dict) -> str:
                 _xml_text(record["report"])
         elif c["ok"] is None:
             ET.SubElement(case, "skipped", message=_one_line(c["detail"]))
+    if interrupted:  # no verdict: never read as a pass
+        case = ET.SubElement(suite, "testcase", classname="tpdp_verify.plan", name="run", time="0")
+        ET.SubElement(case, "error", message=record["report"], type="interrupted").text = record["report"]
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
 def _plan_markdown(record: dict) -> str:
     c = record["case"]
-    out = [f"# tpdp-verify plan: {c['model']}: {'PASS' if record['ok'] else 'DIVERGES'}", "",
+    verdict = "INTERRUPTED" if record.get("interrupted") else "PASS" if record["ok"] else "DIVERGES"
+    out = [f"# tpdp-verify plan: {c['model']}: {verdict}", "",
            f"torch {record['torch']}, mesh (dp={c['mesh'][0]}, tp={c['mesh'][1]}), dp={c['dp']}, {c['steps']} steps, "
            f"{c['dtype']}: {record['seconds']:.1f} s, exit code {record['exit_code']}.", "",
            "| check | result | compared | detail |", "| --- | --- | ---: | --- |"]
@@ -203,12 +236,12 @@ def to_junit(record: dict) -> str:
     (new, changed, or any without a baseline) is a <failure>, a harness failure (no verdict) an
     <error>, and so is a run that stopped early. A property whose failures a baseline all
     knows passes, its known findings listed in <system-out>: CI is green exactly when the
-    gate exits 0."""
+    gate exits 0, and an interrupted run is never green."""
     if record["command"] == "plan":
         return _plan_junit(record)
     props, counts, error = record["properties"], record["counts"], record["error"]
     totals = {"tests": len(props) + bool(error), "failures": counts["diverges"],
-              "errors": counts["infra"] + bool(error), "skipped": 0}
+              "errors": counts["infra"] + counts.get("interrupted", 0) + bool(error), "skipped": 0}
     totals = {k: str(v) for k, v in totals.items()} | {"time": f"{record['seconds']:.3f}"}
     root = ET.Element("testsuites", name="tpdp-verify gate", **totals)
     suite = ET.SubElement(root, "testsuite", name="tpdp-verify gate", **totals,
@@ -224,7 +257,7 @@ def to_junit(record: dict) -> str:
         case = ET.SubElement(suite, "testcase", classname="tpdp_verify.properties",
                              name=f"{p['name']}[world_size={p['world_size']}]",
                              time=f"{p['seconds']:.3f}")
-        if p["status"] in ("diverges", "infra"):
+        if p["status"] in ("diverges", "infra", "interrupted"):  # an interrupted search has no verdict: an error
             tag = "failure" if p["status"] == "diverges" else "error"
             blocking = [f for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED")]
             first = f"{blocking[0]['status']}: {blocking[0]['kind']}" if blocking else p["message"]
@@ -244,9 +277,11 @@ def to_markdown(record: dict) -> str:
     if record["command"] == "plan":
         return _plan_markdown(record)
     c = record["counts"]
+    stopped = f"INTERRUPTED by {record['interrupted']['signal']}: " if record.get("interrupted") else ""
+    left = f", {c['interrupted']} interrupted" if c.get("interrupted") else ""
     out = [
-        f"# tpdp-verify gate: {c['pass']} passed, {c['known']} known only, {c['diverges']} diverged, "
-        f"{c['infra']} infrastructure failures",
+        f"# tpdp-verify gate: {stopped}{c['pass']} passed, {c['known']} known only, {c['diverges']} diverged, "
+        f"{c['infra']} infrastructure failures{left}",
         "",
         f"torch {record['torch']}, implementation `{record['impl']}`, profile {record['profile']} "
         f"({record['max_examples']} examples a property on world sizes "
@@ -270,7 +305,7 @@ def to_markdown(record: dict) -> str:
         out += ["", "Not searched:", ""] + [f"- {x['name']} ({', '.join(x['properties'])}): {x['reason']} "
                                           f"([why]({x['doc']}))" for x in record["not_searched"]]
     for p in record["properties"]:
-        if p["report"]:
+        if p["report"] and p["status"] != "interrupted":  # the table says it: no verdict, no report
             out += ["", f"## {p['name']} (world size {p['world_size']}): {p['status']}", "",
                     *_fenced(p["report"])]
     return "\n".join(out) + "\n"

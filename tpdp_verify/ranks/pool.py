@@ -603,7 +603,7 @@ class RankPool:
                     f"{_ranks_text(errors)} failed to join the {self.backend} process group; "
                     f"rank {rank}:\n{errors[rank]}"
                 )
-        except PoolError:
+        except BaseException:  # PoolError, or interrupted while the ranks start: none is left behind
             self._retire(graceful=False)
             raise
 

@@ -31,6 +31,7 @@ from typing import Callable
 
 from tpdp_verify import signature
 from tpdp_verify.errors import UsageError
+from tpdp_verify.files import write_whole
 
 SCHEMA = 2
 SHIPPED = Path(__file__).parent.parent / "baselines"  # baselines the project ships, by name
@@ -153,8 +154,8 @@ def write(path: str, outcomes, profile: str, impl: str, keep: list[Known] = ()) 
     known = list({k.key: k for k in [*keep, *entries(outcomes)]}.values())
     doc = {"schema": SCHEMA, "torch": torch.__version__, "profile": profile, "impl": impl,
            "known": [k.to_json() for k in known]}
-    try:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    try:  # whole or not at all: a kill while it writes leaves the previous baseline
+        write_whole(path, json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         raise UsageError(f"cannot write the baseline {path}: {exc.strerror or exc}") from None
     return len(known)

@@ -3,7 +3,8 @@
 Each property runs on a pool of every world size the profile names; its outcome is
 pass, diverges (a property failed: a finding about the implementation, with the shrunk
 case and a script that replays it; known when a baseline knows every failure) or infra
-(the harness failed: no verdict).
+(the harness failed: no verdict); a run a signal stopped marks the searches it left
+interrupted (no verdict either).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ class Finding(NamedTuple):
 class Outcome:
     property: str
     world_size: int
-    status: str  # "pass" | "known" (only known failures) | "diverges" | "infra"
+    status: str  # "pass" | "known" (only known failures) | "diverges" | "infra" | "interrupted"
     seconds: float
     stats: Stats = field(default_factory=Stats)
-    message: str = ""  # why there is no verdict (infra)
+    message: str = ""  # why there is no verdict (infra, interrupted)
     findings: list[Finding] = field(default_factory=list)
     backend: str = ""  # the process group's, as the pool chose it
     wanted: int = 0  # examples the profile asks this property to draw
@@ -74,7 +75,7 @@ class Outcome:
     def short(self) -> bool:
         """The search drew fewer examples than its profile asks (it stopped at a new failure,
         or its case space ran out)."""
-        return self.status != "infra" and self.stats.drawn < self.wanted
+        return self.status not in ("infra", "interrupted") and self.stats.drawn < self.wanted
 
 
 REPLAY = "-- replay (save as a file and run it with python):"
@@ -214,11 +215,12 @@ def iter_gate(
     impl_mod.load(impl)  # a bad --impl fails here, in one line, before any rank starts
     if seed is not None:
         profile = dataclasses.replace(profile, seed=seed)
-    plan = [(ws, [p for p in properties if ws >= p.min_world_size]) for ws in profile.world_sizes]
-    total = sum(len(todo) for _, todo in plan)
+    plan = searches(properties, profile)
+    total = len(plan)
     done = failed = 0
     start, shrinking = time.monotonic(), 0.0
-    for world_size, todo in plan:
+    for world_size in profile.world_sizes:
+        todo = [p for p, ws in plan if ws == world_size]
         if not todo:
             continue
         up = time.monotonic()
@@ -237,6 +239,21 @@ def iter_gate(
                 progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
                          f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
                 yield outcome
+
+
+def searches(properties: tuple[Property, ...], profile: Profile) -> list[tuple[Property, int]]:
+    """Every search a gate run makes, (property, world size), in the order it makes them."""
+    return [(p, ws) for ws in profile.world_sizes for p in properties if ws >= p.min_world_size]
+
+
+def interrupted(left: list[tuple[Property, int]], signal: str, running: float | None, wanted: int) -> list[Outcome]:
+    """The outcomes of the searches a signal left unjudged: the first of ``left`` ran for
+    ``running`` seconds when it came (None: it came between searches), the others not at all."""
+    outcomes = [Outcome(prop.name, ws, "interrupted", 0.0, wanted=wanted,
+                        message=f"not run: the gate was interrupted by {signal}") for prop, ws in left]
+    if outcomes and running is not None:
+        outcomes[0].seconds, outcomes[0].message = running, f"interrupted by {signal} while it ran"
+    return outcomes
 
 
 def _set_aside(directory: str, world_size: int, name: str) -> str:

@@ -54,7 +54,7 @@ class ImplSide:
     def shows(self, prop: Property, pool, drawn: dict) -> signature.Signature:
         return run_case(prop, pool, self.impl, drawn)
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
         pass
 
 
@@ -113,9 +113,14 @@ class PythonSide:
                               + (f"; its output is in {self._log.name}" if self._log else ""))
         return json.loads(line)
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """Stop the server: at the end of its input, after the replay it runs; ``at_once`` (the
+        gate was interrupted): killed, its ranks ending with it (their lifeline)."""
         if self.process.poll() is None:
-            self.process.stdin.close()  # the server stops its ranks and exits at end of input
+            if at_once:
+                self.process.kill()
+            else:
+                self.process.stdin.close()  # the server stops its ranks and exits at end of input
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
