@@ -208,3 +208,13 @@ def test_a_broken_transform_blocks_against_the_shipped_baseline():
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
     assert re.search(r"  NEW +trains_like_one_device +world 2  .*gradient beyond its bound", out.stdout), out.stdout[-4000:]
     assert re.search(r"against the baseline: [1-9]\d* new, .*: blocks", out.stdout)
+
+
+def test_reruns_stop_at_their_budget_and_say_how_many_were_left():
+    listed = baseline.entries([diverges("b", "K"), diverges("c", "K")])
+    run = [passes("b"), passes("c")]
+    j = baseline.judge(run, listed, lambda e: pytest.fail("no budget: no rerun"), rerun_seconds=0.0)
+    assert len(j.not_rerun) == 2 and not j.known and not j.blocks
+    text = baseline.judgement_report(j, {"torch": "2.13.0", "profile": "ci"}, "b.json")
+    assert "not rerun: 2 entries" in text and "0 known, 2 not rerun: passes" in text
+    assert len(baseline.judge(run, listed, lambda e: ("K",)).known) == 2  # no budget given: every one rerun

@@ -5,6 +5,7 @@ SIGINT and SIGTERM, after the gate and plan have written their outputs (marked i
 from __future__ import annotations
 
 import argparse
+import math
 import contextlib
 import os
 import signal
@@ -269,7 +270,9 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
         run.during = "baseline"
         if known:
             with rerunner(suite.properties, args.impl, args.backend, args.timeout, logs) as rerun:
-                run.judged = baseline.judge(run.outcomes, known[1], rerun)
+                # learning reruns every entry: one not rerun could not be kept as still failing
+                run.judged = baseline.judge(run.outcomes, known[1], rerun,
+                                            math.inf if args.update_baseline else profile.rerun_total)
         elif side:
             run.judged = replay.judge(run.outcomes)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
@@ -291,7 +294,8 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
               baseline.judgement_report(judged, {}, "", title=f"baseline {side.what}: each failure's case replayed "
                                         "there; known when it fails the same way"))
     if args.update_baseline and code != EXIT_INFRA:
-        count = baseline.write(args.baseline, outcomes, profile.name, args.impl, judged.not_run if judged else ())
+        kept = judged.not_run + judged.not_rerun if judged else ()
+        count = baseline.write(args.baseline, outcomes, profile.name, args.impl, kept)
         run.wrote_baseline = True
         kept = f" (its recorded cases kept where they still fail, {len(judged.fixed)} fixed dropped)" if judged else ""
         print(f"\nwrote {count} known divergences to {args.baseline}{kept}")

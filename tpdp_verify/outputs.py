@@ -159,7 +159,7 @@ def _judgement(name: str, judged) -> dict | None:
     if not name or judged is None:
         return None
     return {"name": name, "blocks": judged.blocks,
-            **{k: len(getattr(judged, k)) for k in ("new", "changed", "fixed", "known", "not_run")}}
+            **{k: len(getattr(judged, k)) for k in ("new", "changed", "fixed", "known", "not_run", "not_rerun")}}
 
 
 def to_json(record: dict) -> str:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -211,19 +213,23 @@ class Judgement:
     changed: list[tuple[Known, str]] = field(default_factory=list)  # and what it does now
     fixed: list[Known] = field(default_factory=list)
     not_run: list[Known] = field(default_factory=list)  # a world size or property this run left out
+    not_rerun: list[Known] = field(default_factory=list)  # not met, and the rerun budget was spent
 
     @property
     def blocks(self) -> bool:
         return bool(self.new or self.changed)
 
 
-def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Signature]) -> Judgement:
+def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Signature],
+          rerun_seconds: float = math.inf) -> Judgement:
     """Sort a run's findings by the baseline, and give each its status. A finding the
     search raised is NEW; one it counted as known is known. ``rerun(entry)`` runs a listed
-    case that the run did not meet again and returns its signature (() if it passes)."""
+    case that the run did not meet again and returns its signature (() if it passes); once
+    the reruns have taken ``rerun_seconds``, the entries left are listed as not rerun (a
+    baseline of many regions holds more cases than a short run can afford to rerun)."""
     from tpdp_verify.runner.property import region
 
-    parts = regional_parts(baseline)
+    parts, start = regional_parts(baseline), time.monotonic()
 
     def knows(prop: str, where: str, sig) -> bool:
         return signature.known(sig, parts.get(prop, {}).get(where, set()))
@@ -252,6 +258,9 @@ def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Si
         outcome = ran.get((listed.property, listed.world_size))
         if outcome is None:
             out.not_run.append(listed)
+            continue
+        if time.monotonic() - start > rerun_seconds:
+            out.not_rerun.append(listed)
             continue
         now = rerun(listed)
         if not now:
@@ -291,8 +300,12 @@ def judgement_report(j: Judgement, header: dict, name: str, updating: bool = Fal
     out += [line("FIXED", k, ": its recorded case passes now") for k in j.fixed]
     out += [line("known", k) for k in j.known]
     out += [line("not run", k, " (not in this run)") for k in j.not_run]
+    if j.not_rerun:  # one line, not one each: a short run of a wide baseline leaves hundreds
+        out.append(f"  not rerun: {len(j.not_rerun)} entries this run did not meet (the profile's rerun budget "
+                   "was spent): whether they still fail, or changed, was not asked")
     out.append(f"against the baseline: {len(j.new)} new, {len(j.changed)} changed, {len(j.fixed)} fixed, "
-               f"{len(j.known)} known" + (": recorded" if updating else ": blocks" if j.blocks else ": passes"))
+               f"{len(j.known)} known" + (f", {len(j.not_rerun)} not rerun" if j.not_rerun else "")
+               + (": recorded" if updating else ": blocks" if j.blocks else ": passes"))
     return "\n".join(out)
 
 

@@ -32,6 +32,9 @@ class Profile:
     # the most a gate judged by replay (--baseline-python) spends replaying failures on the
     # baseline before it counts those showing only parts already shown there as known
     replay_total: float = 600
+    # the most a gate judged by a file spends rerunning recorded cases its search did not meet
+    # (to tell FIXED and CHANGED); the entries left are listed as not rerun
+    rerun_total: float = 600
 
     def with_shrinking_left(self, seconds: float) -> "Profile":
         """This profile for a run that may spend only ``seconds`` more shrinking."""
@@ -52,11 +55,11 @@ PROFILES = {
     for p in (
         # smoke reports each property's first new failure unshrunk: with failures told apart
         # by signature, shrinking every one the search meets took minutes, not one
-        Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60, replay_total=20),
+        Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60, replay_total=20, rerun_total=15),
         # ci: the search alone takes about 250 s of its 300 on 2 cores against torch 2.13.0;
         # shrinking and replays get what is left, so a run with new findings still ends in time
         Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300, shrink_seconds=30, shrink_total=45,
-                replay_total=45),
+                replay_total=45, rerun_total=30),
         Profile("release", max_examples=200, world_sizes=(2, 4, 8), budget=1200, shrink_total=1200),
     )
 }
