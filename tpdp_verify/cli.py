@@ -5,8 +5,8 @@ SIGINT and SIGTERM, after the gate and plan have written their outputs (marked i
 from __future__ import annotations
 
 import argparse
-import math
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -294,8 +294,8 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
               baseline.judgement_report(judged, {}, "", title=f"baseline {side.what}: each failure's case replayed "
                                         "there; known when it fails the same way"))
     if args.update_baseline and code != EXIT_INFRA:
-        kept = judged.not_run + judged.not_rerun if judged else ()
-        count = baseline.write(args.baseline, outcomes, profile.name, args.impl, kept)
+        unmet = judged.not_run + judged.not_rerun if judged else ()  # kept as recorded
+        count = baseline.write(args.baseline, outcomes, profile.name, args.impl, unmet)
         run.wrote_baseline = True
         kept = f" (its recorded cases kept where they still fail, {len(judged.fixed)} fixed dropped)" if judged else ""
         print(f"\nwrote {count} known divergences to {args.baseline}{kept}")
