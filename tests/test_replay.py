@@ -116,3 +116,12 @@ def test_baseline_python_that_cannot_run_is_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not an executable" in out.stderr
     both = _gate("--baseline", "torch-2.13.0", "--baseline-impl", "torch", cwd=tmp_path)
     assert both.returncode == 2 and "two baselines" in both.stderr
+
+
+def test_a_baseline_python_that_is_no_python_is_one_line(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho not a python >&2\nexit 7\n")
+    fake.chmod(0o755)
+    out = _gate("--baseline-python", str(fake), cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "did not start the replay server" in out.stderr and "exit 7" in out.stderr

@@ -24,6 +24,7 @@ there is still replayed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -88,7 +89,11 @@ class PythonSide:
             [python, "-m", "tpdp_verify.runner.replay", suite, backend, str(timeout), rank_output or ""],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
             start_new_session=True)  # a Ctrl-C reaches this process, which stops the server itself
-        hello = self._reply("starting")
+        try:
+            hello = self._reply("starting")
+        except (ReplayError, ValueError) as exc:  # not a python that runs tpdp-verify: the user's input
+            self.close(at_once=True)
+            raise UsageError(f"--baseline-python {python} did not start the replay server: {exc}") from None
         if "error" in hello:
             self.close()
             raise UsageError(f"--baseline-python {python}: {hello['error']}")
@@ -108,7 +113,9 @@ class PythonSide:
 
     def _reply(self, doing: str) -> dict:
         line = self.process.stdout.readline()
-        if not line:
+        if not line:  # its output closed: it is exiting, or has
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
             raise ReplayError(f"the baseline python exited while {doing} (exit {self.process.poll()})"
                               + (f"; its output is in {self._log.name}" if self._log else ""))
         return json.loads(line)
