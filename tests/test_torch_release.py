@@ -18,7 +18,7 @@ def test_an_older_torch_is_one_line_and_exit_2(monkeypatch, capsys, argv):
     monkeypatch.setattr(torch_release.metadata, "version", lambda name: "2.6.0" if name == "torch" else real(name))
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "this environment has torch 2.6.0" in err and "torch>=2.13" in err
+    assert err.count("\n") == 1 and "this environment has torch 2.6.0" in err and "torch>=2.11" in err
 
 
 def test_the_installed_torch_is_new_enough():
