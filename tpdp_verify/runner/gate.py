@@ -95,12 +95,13 @@ def _failure_text(exc: BaseException, reported: list[str]) -> str:
 
 def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
                    progress: Callable[[str], None] | None = None, every: float = 60.0,
-                   known: set[str] | Judge | None = None, learn: bool = False,
+                   known: set[str] | dict[str, set[str]] | Judge | None = None, learn: bool = False,
                    stats: Stats | None = None) -> Outcome:
     """Run one property; with ``progress``, say every ``every`` seconds that it still runs.
 
-    ``known``: the signature parts a baseline records for this property, or a judge that
-    replays on the baseline; ``learn``: writing a baseline (see Property.run).
+    ``known``: the signature parts a baseline records for this property (region -> parts,
+    or a plain set for the property anywhere), or a judge that replays on the baseline;
+    ``learn``: writing a baseline (see Property.run); ``stats``: filled in as it runs.
     """
     stats, reported, findings = stats or Stats(), [], []
     start = time.monotonic()
@@ -205,12 +206,11 @@ def iter_gate(
     ``progress`` gets a line per property with the count done, the failures so far and
     the time since the start, and a line every ``every`` seconds a property runs.
     ``known``: property -> region -> the signature parts a baseline records there
-    (tpdp_verify.runner.baseline.regional_parts);
-    ``judge``: instead, a property's judge on its pool (tpdp_verify.runner.replay: the
-    baseline run on each failure's case); ``learn``: search on past each failure found, to
-    write a baseline; ``seed``: draw
-    other cases than the profile's fixed ones; ``rank_output``: a directory for the ranks'
-    stdout and stderr (RankPool's output), else the terminal.
+    (tpdp_verify.runner.baseline.regional_parts); ``judge``: instead, a property's judge on
+    its pool (tpdp_verify.runner.replay: the baseline run on each failure's case);
+    ``learn``: search on past each failure found, to write a baseline; ``seed``: draw other
+    cases than the profile's fixed ones; ``rank_output``: a directory for the ranks' stdout
+    and stderr (RankPool's output), else the terminal.
     """
     impl_mod.load(impl)  # a bad --impl fails here, in one line, before any rank starts
     if seed is not None:
