@@ -223,7 +223,9 @@ def test_a_correct_plan_passes_on_torch_with_the_shipped_baseline_its_known_faul
 def test_a_wrong_plan_diverges_with_the_baseline_too(pool):
     report = verify(um.SWAPPED, pool=pool, impl="torch", steps=1, baseline="torch-2.13.0")
     assert report.status == "DIVERGES" and report.first_module == "up", str(report)
-    assert "beyond them, departures the baseline does not know" in str(report)
+    # the swapped shards fail in DTensor's dispatch under the user's forward: named by the torch
+    # API the user's model entered, not by DDP's forward around it, no known fault excuses it
+    assert "known torch faults" not in str(report), str(report)
 
 
 def test_a_broken_transform_is_reported_with_its_table(pool):

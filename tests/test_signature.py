@@ -9,7 +9,7 @@ from tpdp_verify import signature
 
 HARNESS = os.path.join(os.path.dirname(signature.__file__), "ranks", "loop.py")
 STDLIB = os.path.join(os.path.dirname(os.__file__), "contextlib.py")
-TORCH = "/env/site-packages/torch/"
+TORCH = signature._TORCH  # the installed torch's folder: its frames are the code under test
 
 
 def part(*frames) -> str:

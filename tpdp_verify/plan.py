@@ -479,7 +479,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
                      parallelize_fn=parallelize_fn)
-    known = _known_faults(baseline, case.entry) if baseline else {}
+    known = _known_faults(baseline, case.entry, tuple(mesh)) if baseline else {}
     case = check_inputs(case)
     world = case.dp * case.tp
     if pool is not None and pool.world_size != world:
@@ -507,7 +507,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         if owned:
             pool.close()
     if case.entry == "own":
-        known = _known_faults(baseline, entry) if baseline else {}
+        known = _known_faults(baseline, entry, tuple(mesh)) if baseline else {}
     detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
         if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({entry})"
     return Report.of(case, keys, one, plain, replay or _replay(case, impl, plan, baseline), detail,
@@ -522,11 +522,11 @@ _TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_o
              "plain DDP": ("trains_like_plain_ddp",)}
 
 
-def _known_faults(name: str, dp_entry: str) -> dict:
+def _known_faults(name: str, dp_entry: str, mesh: tuple[int, int]) -> dict:
     from tpdp_verify.runner import baseline
 
     _, entries = baseline.load(name)  # a bad name or file: one line, before any rank starts
-    return {against: baseline.training_parts(entries, props, dp_entry) for against, props in _TRAINING.items()}
+    return {against: baseline.training_parts(entries, props, dp_entry, mesh) for against, props in _TRAINING.items()}
 
 
 def _did_not_finish(exc: BaseException):

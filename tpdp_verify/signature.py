@@ -83,17 +83,29 @@ def known(signature: Signature, recorded: set[str]) -> bool:
 
 # --------------------------------------------------------------------------- exceptions
 
-# tpdp-verify's own code: a frame here is the harness calling the code under test, except
-# for the implementations in tpdp_verify/impls/ (the reference transform and FSDP
-# extension), which are under test when --impl reference is.
-_HARNESS = tuple(os.path.dirname(os.path.abspath(m)) + os.sep for m in (
-    __file__,
-    os.path.join(os.path.dirname(__file__), "..", "properties", "x"),
-    os.path.join(os.path.dirname(__file__), "..", "fixtures", "x"),
-    os.path.join(os.path.dirname(__file__), "..", "oracles", "x"),
-))
-_UNDER_TEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "impls") + os.sep
+# The code under test: torch, tpdp-verify's own implementations (tpdp_verify/impls/: the
+# reference transform and FSDP extension, under test with --impl reference), and any other
+# implementation given by --impl (select registers its module). Every other frame is the
+# side that calls it: the harness, the zoo's models, a user's model and its libraries
+# (transformers): a fault is named by the torch API they entered, never by the user's code.
+_UNDER_TEST = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "impls") + os.sep]
 _STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def under_test(path: str) -> None:
+    """Count the code in ``path`` (a module's file, or a folder) as under test."""
+    path = os.path.abspath(path)
+    _UNDER_TEST.append(path if not os.path.isdir(path) else path + os.sep)
+
+
+def _torch_root() -> str:
+    from importlib.util import find_spec
+
+    spec = find_spec("torch")  # found, not imported: this module is imported before torch
+    return os.path.dirname(os.path.abspath(spec.origin)) + os.sep if spec and spec.origin else os.sep + "torch" + os.sep
+
+
+_TORCH = _torch_root()
 
 
 def _stdlib(filename: str) -> bool:
@@ -102,11 +114,10 @@ def _stdlib(filename: str) -> bool:
 
 
 def _harness(filename: str) -> bool:
+    if filename.startswith("<"):
+        return True
     path = os.path.abspath(filename)
-    if path.startswith(_HARNESS):
-        return not path.startswith(_UNDER_TEST)
-    return (path.startswith(_STDLIB) and "site-packages" not in path) or "hypothesis" + os.sep in path \
-        or filename.startswith("<")
+    return not (path.startswith(_TORCH) or path.startswith(tuple(_UNDER_TEST)))
 
 
 def _short(filename: str) -> str:

@@ -130,6 +130,18 @@ def load_fsdp(name: str = "torch", device_type: str = "cpu") -> SimpleNamespace:
                  lambda: load_fsdp("torch", device_type), FUNCTIONS)
 
 
+def _count_under_test(source) -> None:
+    """The module an implementation lives in is code under test: a fault raised there is
+    named by it (tpdp_verify.signature), as torch's are by torch's."""
+    import inspect
+
+    from tpdp_verify import signature
+
+    module = inspect.getmodule(source)
+    if module is not None and getattr(module, "__file__", None):
+        signature.under_test(module.__file__)
+
+
 def _load(name: str, what: str, functions: tuple[str, ...], reference: str, reference_class: str,
           sibling_class: str, torchs: Callable[[], SimpleNamespace], siblings: tuple[str, ...]) -> SimpleNamespace:
     """``functions`` of ``name`` (``reference`` for "reference", else a dotted path; a class
@@ -143,6 +155,7 @@ def _load(name: str, what: str, functions: tuple[str, ...], reference: str, refe
         raise UsageError(
             f"{what} {name!r} does not import ({exc}); give torch, reference or an importable dotted path"
         ) from None
+    _count_under_test(source)
     if isinstance(source, type):
         source = source()
     missing = [f for f in functions if not callable(getattr(source, f, None))]

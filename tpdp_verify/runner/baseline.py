@@ -122,14 +122,21 @@ def anchor(k: Known) -> str:
     return f"{DOC}#{slug(heading(k))}"
 
 
-def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: str) -> dict[str, Known]:
+def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: str,
+                   mesh: tuple[int, int] | None = None) -> dict[str, Known]:
     """Each signature part the entries of ``properties`` record for cases through one DP entry
-    point, with the first entry that records it: what a user's training run through that
-    entry point may show of the build's known faults, and where each is explained. Scoped
-    to the entry point: a fault of another would otherwise hide a departure of the user's."""
+    point (on a mesh of the same kind as ``mesh``, if given), with the first entry that
+    records it: what a user's training run through that entry point may show of the build's
+    known faults, and where each is explained. Scoped as a region is (the user's model is
+    none of the zoo's): a fault of another entry point or mesh kind would otherwise hide a
+    departure of the user's."""
+    from tpdp_verify.runner.property import mesh_kind
+
     parts: dict[str, Known] = {}
     for k in sorted(entries, key=lambda k: (len(k.signature), k.world_size)):  # the plainest entry explains
-        if k.property in properties and getattr(k.drawn().get("case"), "entry", None) == dp_entry:
+        case = k.drawn().get("case")
+        if k.property in properties and getattr(case, "entry", None) == dp_entry and \
+                (mesh is None or mesh_kind(case.mesh_shape) == mesh_kind(mesh)):
             for p in k.signature:
                 parts.setdefault(p, k)
     return parts

@@ -59,9 +59,13 @@ def region(drawn: dict | None) -> str:
     entry, model, mesh = (getattr(case, a, None) for a in ("entry", "model", "mesh_shape"))
     if not (isinstance(entry, str) and isinstance(model, str) and mesh):
         return ""
+    return f"{entry} {model} {mesh_kind(mesh)}"
+
+
+def mesh_kind(mesh: tuple[int, ...]) -> str:
+    """Which of a (dp, tp) mesh's dimensions are real: "dp x tp", "tp", "dp" or "one rank"."""
     dp, tp = mesh[0], mesh[-1]
-    kind = "dp x tp" if dp > 1 and tp > 1 else "tp" if tp > 1 else "dp" if dp > 1 else "one rank"
-    return f"{entry} {model} {kind}"
+    return "dp x tp" if dp > 1 and tp > 1 else "tp" if tp > 1 else "dp" if dp > 1 else "one rank"
 
 
 class KnownParts:
