@@ -84,12 +84,16 @@ class SyncGradHookScales(TorchReference):
 
     @staticmethod
     def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
-        result = DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False,
-                                    shape=spec.shape, stride=spec.stride)
-        if tensor.requires_grad:
-            tensor.register_hook(partial(_sync_grad_hook_scaling, device_handle=device_handle,
-                                         compute_stream=compute_stream))
-        return result
+        return _unflatten(tensor, spec, _sync_grad_hook_scaling, device_handle, compute_stream)
+
+
+def _unflatten(tensor, spec, hook, device_handle, compute_stream):
+    """torch's ``_unflatten_tensor`` with ``hook`` in place of its ``sync_grad_hook``."""
+    result = DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False,
+                                shape=spec.shape, stride=spec.stride)
+    if tensor.requires_grad:
+        tensor.register_hook(partial(hook, device_handle=device_handle, compute_stream=compute_stream))
+    return result
 
 
 def _from_fsdp1() -> bool:
@@ -117,12 +121,8 @@ class FSDP1GradScales(TorchReference):
 
     @staticmethod
     def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
-        result = DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False,
-                                    shape=spec.shape, stride=spec.stride)
-        if tensor.requires_grad:
-            hook = _sync_grad_hook_scaling if _from_fsdp1() else _dpu.sync_grad_hook
-            tensor.register_hook(partial(hook, device_handle=device_handle, compute_stream=compute_stream))
-        return result
+        hook = _sync_grad_hook_scaling if _from_fsdp1() else _dpu.sync_grad_hook
+        return _unflatten(tensor, spec, hook, device_handle, compute_stream)
 
 
 # -- (b) a rank aborts ------------------------------------------------------------------
