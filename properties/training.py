@@ -46,7 +46,7 @@ from tpdp_verify.properties.exclusions import (
     empty_width,
     needs_find_unused,
 )
-from tpdp_verify.runner.property import tpdp_property, worth_explaining
+from tpdp_verify.runner.property import tpdp_property, without_local_constants, worth_explaining
 
 # 1e-6 MB is a few bytes: every gradient gets a bucket of its own, the most buckets DDP makes.
 BUCKET_CAPS = (None, 1e-6, 1e-4)
@@ -254,7 +254,8 @@ def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool 
                                "FSDP2Options": FSDP2Options, "Habits": Habits})
         else:
             try:
-                _simplest_cases[key] = find(strategy, lambda c: c.model == model, settings=_FIND)
+                with without_local_constants():  # the same cases whatever the process imported
+                    _simplest_cases[key] = find(strategy, lambda c: c.model == model, settings=_FIND)
             except NoSuchExample:
                 _simplest_cases[key] = None
     return _simplest_cases[key]

@@ -63,7 +63,7 @@ def test_a_search_draws_the_same_whatever_local_code_holds(tmp_path, monkeypatch
 
 def test_without_the_guard_the_same_search_moves(tmp_path, monkeypatch):
     """The test above can fail: hypothesis alone draws other seeds once local code holds more constants."""
-    monkeypatch.setattr(property_mod, "_no_local_constants", contextlib.nullcontext)
+    monkeypatch.setattr(property_mod, "without_local_constants", contextlib.nullcontext)
     before = _seeds_drawn()
     _import_local_constants(tmp_path, monkeypatch)
     assert _seeds_drawn() != before

@@ -64,3 +64,15 @@ def test_a_gradient_fault_of_fsdp1_alone_is_new_where_another_entry_point_depart
     new = [f for f in outcome.findings if not f.status and "value:gradient" in f.signature]
     assert new and all(f.drawn["case"].entry == "fsdp1" for f in new), outcome.findings
     assert all("value:gradient" not in regional.get(region(f.drawn), set()) for f in new)
+
+
+@pytest.mark.timeout(600)
+def test_a_five_percent_gradient_fault_of_bfloat16_cases_alone_is_new(tpdp_pools):
+    """A scaling of 1.05 is 6 units of a bfloat16's last place, inside the 32 of the max
+    bound: the first step's gradients judged as whole tensors catch it (issue 29)."""
+    mutant, prop = torch_mutants.BFloat16GradScales, trains_like_one_device
+    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})
+    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
+    outcome = check_property(prop, tpdp_pools.get(2), f"torch_mutants.{mutant.__name__}", profile, known=regional)
+    new = [f for f in outcome.findings if not f.status and "value:gradient" in f.signature]
+    assert new and all(f.drawn["case"].dtype == "bfloat16" for f in new), outcome.findings

@@ -15,6 +15,12 @@ from tpdp_verify.judging.tolerance import SAFETY, bound, error
 SETTINGS = settings(max_examples=200, derandomize=True, database=None, deadline=None)
 
 
+def _matmuls(side: int = 1):
+    """Draws of a matmul's sizes (rows and columns at least ``side``), its seed and TP's chunks."""
+    return given(seed=st.integers(0, 2**16), rows=st.integers(side, 8), inner=st.integers(1, 64),
+                 cols=st.integers(side, 8), chunks=st.integers(1, 8))
+
+
 def _matmul_three_ways(seed: int, rows: int, inner: int, cols: int, chunks: int):
     """y = x @ w in float64 (the shadow), in float32 at once (the baseline), and in float32
     as tensor parallelism computes it: the inner dimension split in ``chunks`` partial
@@ -29,8 +35,7 @@ def _matmul_three_ways(seed: int, rows: int, inner: int, cols: int, chunks: int)
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**16), rows=st.integers(1, 8), inner=st.integers(1, 64),
-       cols=st.integers(1, 8), chunks=st.integers(1, 8))
+@_matmuls()
 def test_a_reordered_float32_sum_stays_within_the_bound(seed, rows, inner, cols, chunks):
     observed, baseline, shadow = _matmul_three_ways(seed, rows, inner, cols, chunks)
     err = error(observed, baseline, shadow)
@@ -39,8 +44,7 @@ def test_a_reordered_float32_sum_stays_within_the_bound(seed, rows, inner, cols,
 
 @pytest.mark.parametrize("factor", [1 + 1e-3, 1 - 1e-3])
 @SETTINGS
-@given(seed=st.integers(0, 2**16), rows=st.integers(1, 8), inner=st.integers(1, 64),
-       cols=st.integers(1, 8), chunks=st.integers(1, 8))
+@_matmuls()
 def test_a_value_scaled_by_one_part_in_a_thousand_is_caught(factor, seed, rows, inner, cols, chunks):
     observed, baseline, shadow = _matmul_three_ways(seed, rows, inner, cols, chunks)
     err = error(observed * factor, baseline, shadow)
@@ -83,3 +87,51 @@ def test_rounding_noise_around_zero_earns_one_ulp_of_the_scale_of_its_kind():
 def test_the_scale_leaves_a_small_value_scaled_by_one_part_in_a_thousand_caught():
     shadow = torch.full((3,), 3e-4, dtype=torch.float64)  # a thousandth of the scale
     assert not error(shadow.float() * (1 + 1e-3), shadow.float(), shadow, scale=0.3).ok
+
+
+def test_a_bound_that_is_not_finite_fails():
+    """An overflow in the baseline gives an infinite bound, which would pass anything."""
+    shadow = torch.ones(3, dtype=torch.float64)
+    overflowed = torch.tensor([1.0, float("inf"), 1.0])
+    assert bound(overflowed, shadow) == float("inf")
+    assert not error(shadow.float(), overflowed, shadow).ok
+    assert not error(shadow.bfloat16(), overflowed.bfloat16(), shadow, torch.bfloat16, whole=True).ok
+
+
+HALF = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+
+
+def _matmul_in(dtype: torch.dtype, seed: int, rows: int, inner: int, cols: int, chunks: int):
+    """As _matmul_three_ways, in a half dtype: the baseline on one device in that dtype,
+    TP's partial products each rounded to it and summed in it."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
+    w = torch.randn(inner, cols, generator=gen, dtype=torch.float64)
+    parts = [a.to(dtype) @ b.to(dtype) for a, b in zip(x.chunk(chunks, 1), w.chunk(chunks, 0))]
+    return sum(parts[1:], parts[0]), x.to(dtype) @ w.to(dtype), x @ w
+
+
+@HALF
+@SETTINGS
+@_matmuls()
+def test_a_reordered_half_precision_sum_stays_within_both_bounds(dtype, seed, rows, inner, cols, chunks):
+    observed, baseline, shadow = _matmul_in(dtype, seed, rows, inner, cols, chunks)
+    err = error(observed, baseline, shadow, dtype, whole=True)
+    assert err.whole is not None and err.ok, err
+
+
+@HALF
+@SETTINGS
+@_matmuls(side=2)
+def test_a_half_precision_value_scaled_by_five_percent_is_caught_as_a_whole(dtype, seed, rows, inner, cols, chunks):
+    """The 32-unit bound lets a 5% scaling through in bfloat16; the whole-tensor one does not."""
+    observed, baseline, shadow = _matmul_in(dtype, seed, rows, inner, cols, chunks)
+    scaled = observed.double() * 1.05
+    assert not error(scaled, baseline, shadow, dtype, whole=True).ok
+    if dtype == torch.bfloat16:
+        assert error(scaled, baseline, shadow, dtype).ok  # what the max bound alone lets through
+
+
+def test_the_whole_tensor_comparison_is_for_half_precision_only():
+    shadow = torch.ones(3, dtype=torch.float64)
+    assert error(shadow.float(), shadow.float(), shadow, torch.float32, whole=True).whole is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import _data_parallel_utils as _dpu
@@ -123,6 +124,26 @@ class FSDP1GradScales(TorchReference):
     def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
         hook = _sync_grad_hook_scaling if _from_fsdp1() else _dpu.sync_grad_hook
         return _unflatten(tensor, spec, hook, device_handle, compute_stream)
+
+
+def _sync_grad_hook_scaling_half(grad, *, device_handle=None, compute_stream=None):
+    """torch's sync_grad_hook, times 1.05 for a bfloat16 gradient: a stray factor that a
+    half-precision path alone takes (a loss scale left in a bfloat16 cast)."""
+    waited = _dpu.sync_grad_hook(grad, device_handle=device_handle, compute_stream=compute_stream)
+    return waited * 1.05 if waited.dtype == torch.bfloat16 else waited
+
+
+class BFloat16GradScales(TorchReference):
+    """``_unflatten_tensor``'s hook scales bfloat16 gradients by 1.05, float32 ones not at
+    all: 1.05 is 6 units of a bfloat16's last place, inside the 32 units of the max bound,
+    so only the whole-tensor comparison of half-precision gradients sees it (docs/tolerance.md)."""
+
+    caught_by = frozenset({"trains_like_one_device"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
+        return _unflatten(tensor, spec, _sync_grad_hook_scaling_half, device_handle, compute_stream)
 
 
 # -- (b) a rank aborts ------------------------------------------------------------------

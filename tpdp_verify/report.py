@@ -98,7 +98,8 @@ def _number(x: float):
 
 
 def _row_detail(r: Row) -> str:
-    return f"{r.what} {r.name} at step {r.step}: max abs {r.err.max_abs:.3g}, bound {r.err.bound:.3g}"
+    whole = "" if r.err.whole is None else f"; rms rel {r.err.whole[0]:.3g}, bound {r.err.whole[1]:.3g}"
+    return f"{r.what} {r.name} at step {r.step}: max abs {r.err.max_abs:.3g}, bound {r.err.bound:.3g}{whole}"
 
 
 @dataclass
@@ -209,7 +210,9 @@ class Report:
         c = self.case
         failures = [{"against": v.against, "what": r.what, "step": r.step, "name": r.name,
                      "max_abs": _number(r.err.max_abs), "max_rel": _number(r.err.max_rel),
-                     "bound": _number(r.err.bound), "ratio": _number(r.err.ratio)}
+                     "bound": _number(r.err.bound), "ratio": _number(r.err.ratio),
+                     "rms_rel": None if r.err.whole is None else _number(r.err.whole[0]),
+                     "rms_bound": None if r.err.whole is None else _number(r.err.whole[1])}
                     for v in (self.one_device, self.plain_ddp)
                     for r in v.rows if not r.err.ok]
         return {

@@ -14,34 +14,61 @@ where the first eps term keeps the bound honest when the baseline is exact by lu
 float32 noise comes from cancelling terms as large as its neighbours, is allowed one unit
 in the last place of that scale. A value off by a relative 1e-3 is far outside the bound:
 see docs/tolerance.md for the derivation and for the measurements behind SAFETY.
+
+In half precision that bound is 32 units of the last place of a tensor's largest element:
+25 % in bfloat16, where a gradient scaled by 1.05 hides. So the first step's gradients of
+a half-precision case are judged as whole tensors too: their root-mean-square error
+against the shadow, relative to the shadow's, may be at most
+
+    WHOLE_SAFETY * rms(baseline - shadow) / rms(shadow) + WHOLE_FLOOR * eps(dtype)
+
+The baseline runs with the same casts (the case's dtype on one device, or plain DP with
+the same option), and in the first step both runs start from the same parameters, so
+only the order of half-precision sums differs; later steps start from parameters already
+a rounding apart, which half precision amplifies, and keep the 32-unit bound alone.
+A bound or an error that is not finite fails: an overflow on either side says nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 SAFETY = 32.0
+HALF = (torch.bfloat16, torch.float16)
+WHOLE_SAFETY = 2.0  # measured in docs/tolerance.md, "Half precision"
+WHOLE_FLOOR = 4.0  # units of eps(dtype)
 
 
 @dataclass(frozen=True)
 class Error:
-    """One compared value: its error against the shadow and the bound it must stay within."""
+    """One compared value: its error against the shadow and the bound it must stay within;
+    for a whole-tensor comparison (``whole``), its relative RMS error and that bound too."""
 
     max_abs: float
     max_rel: float  # max_abs relative to the largest magnitude in the shadow
     bound: float
+    whole: tuple[float, float] | None = None  # (rms error / rms shadow, its bound)
 
     @property
     def ratio(self) -> float:
-        if self.bound == 0.0:
-            return 0.0 if self.max_abs == 0.0 else float("inf")
-        return self.max_abs / self.bound
+        ratios = [_ratio(self.max_abs, self.bound)] + ([_ratio(*self.whole)] if self.whole else [])
+        return max(ratios)
 
     @property
     def ok(self) -> bool:
         return self.ratio <= 1.0
+
+
+def _ratio(error: float, bound: float) -> float:
+    """How far past its bound an error is; a bound or an error that is not finite fails."""
+    if not (math.isfinite(error) and math.isfinite(bound)):
+        return math.inf
+    if bound == 0.0:
+        return 0.0 if error == 0.0 else math.inf
+    return error / bound
 
 
 def bound(baseline: torch.Tensor, shadow: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -54,11 +81,23 @@ def bound(baseline: torch.Tensor, shadow: torch.Tensor, dtype: torch.dtype = tor
     return SAFETY * (baseline_error + eps * shadow.abs().max().item()) + eps * scale
 
 
+def whole_error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
+                dtype: torch.dtype) -> tuple[float, float]:
+    """(rms(observed - shadow), its bound), both relative to rms(shadow): see above."""
+    shadow = shadow.double()
+    size = shadow.norm().item()
+    if size == 0.0:
+        return 0.0, 0.0  # nothing to scale: the max bound judges it alone
+    return ((observed.double() - shadow).norm().item() / size,
+            WHOLE_SAFETY * (baseline.double() - shadow).norm().item() / size + WHOLE_FLOOR * torch.finfo(dtype).eps)
+
+
 def error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
-          dtype: torch.dtype = torch.float32, scale: float = 0.0) -> Error:
+          dtype: torch.dtype = torch.float32, scale: float = 0.0, whole: bool = False) -> Error:
     """``observed`` against ``shadow``, bounded by how far ``baseline`` is from it.
 
-    ``scale``: the largest magnitude among the values of this kind at this step (see above).
+    ``scale``: the largest magnitude among the values of this kind at this step (see above);
+    ``whole``: judge the tensor as a whole too, where ``dtype`` is a half one.
     Shapes must agree; the caller reports a shape mismatch as a failed check.
     """
     shadow = shadow.double()
@@ -68,4 +107,5 @@ def error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
     max_abs = float("inf") if not torch.isfinite(diff).all() else diff.max().item()
     largest = shadow.abs().max().item()
     return Error(max_abs, max_abs / largest if largest else (0.0 if max_abs == 0 else float("inf")),
-                 bound(baseline, shadow, dtype, scale))
+                 bound(baseline, shadow, dtype, scale),
+                 whole_error(observed, baseline, shadow, dtype) if whole and dtype in HALF else None)

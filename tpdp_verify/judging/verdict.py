@@ -123,7 +123,7 @@ class Verdict:
             lines.append(f"  {'value':<18}{'step':>5}  {'name':<34}{'max abs':>11}{'max rel':>11}"
                          f"{'bound':>11}{'ratio':>10}")
             lines += [f"  {r.what:<18}{r.step:>5}  {r.name:<34}{r.err.max_abs:>11.3g}"
-                      f"{r.err.max_rel:>11.3g}{r.err.bound:>11.3g}{r.err.ratio:>10.3g}"
+                      f"{r.err.max_rel:>11.3g}{r.err.bound:>11.3g}{r.err.ratio:>10.3g}{_as_whole(r.err)}"
                       for r in bad_rows[:limit]]
             if len(bad_rows) > limit:
                 lines.append(f"  ... and {len(bad_rows) - limit} more")
@@ -226,6 +226,11 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     return whole, checks
 
 
+def _as_whole(err: Error) -> str:
+    """The whole-tensor comparison of a half-precision value, where it was made."""
+    return "" if err.whole is None else f"  (rms rel {err.whole[0]:.3g}, bound {err.whole[1]:.3g})"
+
+
 # --------------------------------------------------------------------------- judging
 
 
@@ -254,7 +259,8 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
             out.checks.append(Check(f"{what} shape", False,
                                     f"step {step}: {name}: shape {tuple(got.shape)}, oracle {tuple(exact.shape)}"))
             continue
-        out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale)))
+        # the first step's gradients as whole tensors too, where half precision hides a scaling
+        out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale, whole=(what, step) == ("gradient", 1))))
 
 
 def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,

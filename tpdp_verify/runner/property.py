@@ -169,7 +169,7 @@ def _shrinking_for(seconds: int):
 
 
 @contextlib.contextmanager
-def _no_local_constants():
+def without_local_constants():
     """Draw without the constants hypothesis reads from the source of the local modules
     imported so far (one draw in twenty picks one): with them the fixed draw moves with
     every literal of tpdp-verify's own code, and with whichever modules the process that
@@ -300,7 +300,7 @@ class Property:
         test = profile.settings(given(**strategies)(run_one))
         if profile.seed is not None:
             test = hypothesis.seed(profile.seed)(test)
-        with collector.with_value(note), _shrinking_for(profile.shrink_seconds), _no_local_constants():
+        with collector.with_value(note), _shrinking_for(profile.shrink_seconds), without_local_constants():
             test(pool, impl)
 
     @staticmethod
