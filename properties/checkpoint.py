@@ -14,7 +14,7 @@ from hypothesis.control import currently_in_test_context
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
 from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
-from tpdp_verify.properties.exclusions import CHECKPOINT_BUILT, CHECKPOINT_STATIC_GRAPH, FSDP1_UNTRAINABLE
+from tpdp_verify.properties.exclusions import UNTRAINABLE
 from tpdp_verify.properties.training import every_model, train_cases
 from tpdp_verify.ranks.checkpoint import ROUTES
 from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaining
@@ -31,14 +31,20 @@ from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaini
 # gradient (the `unused` model) has no optimizer state to save, but the fresh optimizer's
 # template has one: dcp.load raises "Missing key in checkpoint state_dict", and
 # set_optimizer_state_dict "Missing optimizer state for parameter 'spare.w1.weight'".
-SOUND_CHECKPOINTS = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard", "fsdp1"))
+# An optimizer built before wrapping or after a first forward, and DDP's static graph,
+# are training's unsound timings and options (properties.training.SOUND_TRAINING): the
+# entry_points_ properties checkpoint them.
+SOUND_CHECKPOINTS = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard", "fsdp1"), built=("after_wrap",))
 UNSOUND_PAIRS = {("ddp_mesh", "dcp"), ("transform_ddp", "dcp"), ("fsdp1", "get_set"), ("fsdp1", "dcp")}
 UNSOUND_MODEL_ROUTES = {("unused", "dcp"), ("unused", "get_set")}
 
 
-def sound(entry: str, route: str | None = None, model: str = "") -> bool:
+def sound(entry: str, route: str | None = None, model: str = "", case: TrainCase | None = None) -> bool:
+    """Whether a checkpoint by ``route`` through ``entry`` of ``model`` (and, given, of the
+    case's optimizer timing and DDP options) is in the sound space."""
+    timing = case is None or (case.built in SOUND_CHECKPOINTS["built"] and not case.ddp.static_graph)
     return (entry in SOUND_CHECKPOINTS["entries"] and (entry, route) not in UNSOUND_PAIRS
-            and (model, route) not in UNSOUND_MODEL_ROUTES)
+            and (model, route) not in UNSOUND_MODEL_ROUTES and timing)
 
 
 def _within(space: bool, case: TrainCase, route: str) -> None:
@@ -52,24 +58,22 @@ def _within(space: bool, case: TrainCase, route: str) -> None:
 
 
 def trainable(case: TrainCase) -> bool:
-    """Cases whose training itself works, so that there is something to checkpoint: FSDP1
-    trains with TP only with dp > 1, one microbatch a step, some zoo models, and (for its
-    state dict not to abort a rank) even shards; the rest are training's findings, not
-    checkpoints' (the exclusions FSDP1_UNTRAINABLE, properties/exclusions.py)."""
-    return not any(x.test(case) for x in FSDP1_UNTRAINABLE)
+    """Cases whose training itself works, so that there is something to checkpoint: not
+    DDP's static graph with more than one microbatch a step, nor FSDP1 with TP on one dp
+    rank, with more than one microbatch or on llama_sp; those are training's findings, not
+    checkpoints' (the exclusions UNTRAINABLE, properties/exclusions.py)."""
+    return not any(x.test(case) for x in UNTRAINABLE)
 
 
 def checkpoint_cases(world_size: int, entries: tuple[str, ...] = SOUND_CHECKPOINTS["entries"], **narrower
                      ) -> st.SearchStrategy[TrainCase]:
-    """Training cases for checkpoints: the optimizer built on the wrapper after wrapping,
-    no static graph (the exclusions checkpoint_optimizer_timing and checkpoint_static_graph),
-    1-3 steps, the entry points' first options and no training habits (checkpoint_options_and_habits)."""
-    return train_cases(world_size, entries=entries, built=CHECKPOINT_BUILT, static_graph=CHECKPOINT_STATIC_GRAPH,
-                       options=False, **narrower).filter(trainable)
+    """Training cases for checkpoints: 1-3 steps, the entry points' first options and no
+    training habits (the exclusion checkpoint_options_and_habits), cases that train (``trainable``)."""
+    return train_cases(world_size, entries=entries, options=False, **narrower).filter(trainable)
 
 
 def sound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    return checkpoint_cases(world_size)
+    return checkpoint_cases(world_size, built=SOUND_CHECKPOINTS["built"], static_graph=(False,))
 
 
 def all_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
@@ -83,19 +87,17 @@ def _covering(in_space):
 
     def cover(strategies: dict) -> list[dict]:
         return [{**c, "route": route} for c in every_model(strategies)
-                for route in [next((r for r in ROUTES if in_space(c["case"].entry, r, c["case"].model)), None)] if route]
+                for route in [next((r for r in ROUTES if in_space(c["case"], r)), None)] if route]
 
     return cover
 
 
 def sound_state_dict_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    return checkpoint_cases(world_size)
+    return checkpoint_cases(world_size, built=SOUND_CHECKPOINTS["built"], static_graph=(False,))
 
 
 def unsound_state_dict_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    from tpdp_verify.cases.training import ENTRIES
-
-    return checkpoint_cases(world_size, tuple(e for e in ENTRIES if not sound(e)))
+    return all_cases(world_size).filter(lambda c: not sound(c.entry, case=c))
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=sound_state_dict_cases)
@@ -110,16 +112,17 @@ def entry_points_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> 
     verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=_covering(sound), case=sound_cases, route=st.sampled_from(ROUTES))
+@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: sound(c.entry, r, c.model, c)), case=sound_cases,
+               route=st.sampled_from(ROUTES))
 def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
     """Saved after training and loaded into a fresh TP+DP model, model and optimizer are bit-exact, and so is the next step."""
-    _within(sound(case.entry, route, case.model), case, route)
+    _within(sound(case.entry, route, case.model, case), case, route)
     verdict_resume(pool, impl, case, route, worth_explaining, known_now, dp_own_passes=True).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=_covering(lambda e, r, m: not sound(e, r, m)), case=all_cases,
+@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: not sound(c.entry, r, c.model, c)), case=all_cases,
                route=st.sampled_from(ROUTES))
 def entry_points_checkpoint_resume(pool, impl: str, case: TrainCase, route: str) -> None:
     """The same where an entry point or route departs whatever the transform: replicate, DCP of DDP's and FSDP1's optimizer state."""
-    _within(not sound(case.entry, route, case.model), case, route)
+    _within(not sound(case.entry, route, case.model, case), case, route)
     verdict_resume(pool, impl, case, route, worth_explaining, known_now).raise_if_failed()

@@ -43,8 +43,8 @@ from tpdp_verify.properties.exclusions import (
     OUTSIDE_CONTRACT,
     can_freeze,
     can_ignore,
-    empty_width,
     needs_find_unused,
+    unsharded_after_forward,
 )
 from tpdp_verify.runner.property import tpdp_property, without_local_constants, worth_explaining
 
@@ -78,9 +78,9 @@ def weighted(shapes: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 # Optimizer timings a DP entry point's own contract rules out, with or without TP
-# (OUTSIDE_CONTRACT: the exclusions fsdp_optimizer_before_wrap and
-# fsdp2_optimizer_after_forward, properties/exclusions.py). DDP makes no such demand of
-# its users: for DDP these timings are drawn.
+# (OUTSIDE_CONTRACT and unsharded_after_forward: the exclusions fsdp_optimizer_before_wrap
+# and fsdp2_optimizer_after_forward, properties/exclusions.py). DDP makes no such demand
+# of its users: for DDP these timings are drawn.
 
 
 # Where the DP entry points carry TP as documented, so that a correct transform trains
@@ -111,8 +111,9 @@ def sound_habits(entry: str, habits: Habits) -> bool:
     return habits.clip is None and not (entry in DDP_ENTRIES and (habits.checkpoint or habits.between == DIRECT))
 
 
-def _timings(entry: str, built: tuple[str, ...]) -> list[str]:
-    return [b for b in built if (entry, b) not in OUTSIDE_CONTRACT]
+def _timings(entry: str, built: tuple[str, ...], fsdp: FSDP2Options = FSDP2Options()) -> list[str]:
+    return [b for b in built if (entry, b) not in OUTSIDE_CONTRACT
+            and not (b == "after_forward" and unsharded_after_forward(entry, fsdp))]
 
 
 @st.composite
@@ -170,9 +171,8 @@ def _one_of(values: tuple) -> st.SearchStrategy:
 
 
 @functools.cache
-def _sizes(model: str, tp: int, empty_shards: bool) -> st.SearchStrategy:
-    """Without ``empty_shards`` (FSDP): the exclusion fsdp_empty_shard (a hang)."""
-    return ZOO[model].sizes(tp).filter(lambda s: empty_shards or not empty_width(s, tp))
+def _sizes(model: str, tp: int) -> st.SearchStrategy:
+    return ZOO[model].sizes(tp)
 
 
 _ddp_options = functools.cache(ddp_options)
@@ -201,16 +201,19 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
     mesh = draw(_one_of(tuple(mesh_shapes or weighted(meshes(world_size)))))
     model = draw(_one_of(tuple(models)))
     entry = draw(_one_of(tuple(e for e in entries if _timings(e, built))))
+    size = draw(_sizes(model, mesh[1]))
+    ddp = draw(_ddp_options(model, tuple(static_graph), options, half)) if entry in DDP_ENTRIES else DDPOptions()
+    fsdp = draw(_fsdp2_options(half)) if entry in FSDP2_ENTRIES and options else FSDP2Options()
     return TrainCase(
         model=model,
-        size=draw(_sizes(model, mesh[1], entry in DDP_ENTRIES)),
+        size=size,
         mesh_shape=mesh,
         entry=entry,
-        ddp=draw(_ddp_options(model, tuple(static_graph), options, half)) if entry in DDP_ENTRIES else DDPOptions(),
-        fsdp=draw(_fsdp2_options(half)) if entry in FSDP2_ENTRIES and options else FSDP2Options(),
+        ddp=ddp,
+        fsdp=fsdp,
         habits=draw(_habits(model, entry, sound_only)) if options else Habits(),
         optimizer=draw(_one_of(OPTIMIZERS)),
-        built=draw(_one_of(tuple(_timings(entry, built)))),
+        built=draw(_one_of(tuple(_timings(entry, built, fsdp)))),
         eval_first=draw(st.booleans()),
         steps=draw(st.integers(1, 3)),
         accumulate=draw(st.integers(1, 2)),

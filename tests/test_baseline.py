@@ -181,7 +181,7 @@ def test_the_smoke_gate_passes_against_torch_with_the_shipped_baseline(tmp_path)
     assert all(p["drawn"] == p["wanted"] == 10 and not p["drew_fewer"] for p in record["properties"])
     assert sum(p["known_only"] for p in record["properties"]) > 0  # the search went on past them
     assert {f["status"] for p in record["properties"] for f in p["findings"]} <= {"known"}
-    assert record["not_searched"] and "not searched: fsdp_empty_shard" in out.stdout
+    assert record["not_searched"] and "not searched: ddp_unused_without_find_unused" in out.stdout
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert (suite.get("failures"), suite.get("errors")) == ("0", "0")
 
