@@ -178,7 +178,10 @@ def without_local_constants():
     hypothesis's pinned version alone."""
     from hypothesis.internal.conjecture import providers
 
-    saved = providers._get_local_constants
+    saved = getattr(providers, "_get_local_constants", None)
+    if saved is None:  # a hypothesis older than its constant pool draws without one
+        yield
+        return
     providers._get_local_constants = providers.Constants
     providers.CONSTANTS_CACHE.cache.clear()  # filled from the local constants before
     try:
