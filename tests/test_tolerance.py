@@ -135,3 +135,14 @@ def test_a_half_precision_value_scaled_by_five_percent_is_caught_as_a_whole(dtyp
 def test_the_whole_tensor_comparison_is_for_half_precision_only():
     shadow = torch.ones(3, dtype=torch.float64)
     assert error(shadow.float(), shadow.float(), shadow, torch.float32, whole=True).whole is None
+
+
+def test_a_slack_is_taken_off_its_element_only():
+    """Adam's step on a gradient that is rounding noise moves an element by lr either way
+    (verdict._adam_slack allows it 2 lr a step); the other elements keep their bound."""
+    shadow = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    slack = torch.tensor([0.0, 0.02])
+    stepped_the_other_way = torch.tensor([1.0, 0.02])
+    assert not error(stepped_the_other_way, shadow.float(), shadow).ok
+    assert error(stepped_the_other_way, shadow.float(), shadow, slack=slack).ok
+    assert not error(stepped_the_other_way * torch.tensor([1.001, 1.0]), shadow.float(), shadow, slack=slack).ok

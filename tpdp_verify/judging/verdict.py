@@ -16,7 +16,7 @@ from tpdp_verify import signature
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.judging.divergence import divergence
 from tpdp_verify.judging.tolerance import Error, bound, error
-from tpdp_verify.ranks.loop import Trace
+from tpdp_verify.ranks.loop import LR, Trace
 from tpdp_verify.ranks.observation import Check, Observation
 from tpdp_verify.ranks.pieces import merge_named
 
@@ -235,7 +235,7 @@ def _as_whole(err: Error) -> str:
 
 
 def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, out: Verdict,
-            dtype: torch.dtype) -> None:
+            dtype: torch.dtype, slack: dict | None = None) -> None:
     if not shadow and not observed:
         return  # none to compare (a model without buffers): no check that compared nothing
     missing = sorted(set(shadow) - set(observed))
@@ -260,7 +260,8 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
                                     f"step {step}: {name}: shape {tuple(got.shape)}, oracle {tuple(exact.shape)}"))
             continue
         # the first step's gradients as whole tensors too, where half precision hides a scaling
-        out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale, whole=(what, step) == ("gradient", 1))))
+        out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale, whole=(what, step) == ("gradient", 1),
+                                                    slack=(slack or {}).get(name))))
 
 
 def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
@@ -298,9 +299,11 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     if len(observed.norms) != len(shadow.norms):
         v.checks.append(Check("clips as often as the oracle", False,
                               f"{len(observed.norms)} gradient norms, the oracle {len(shadow.norms)}"))
+    slack = _adam_slack(case, baseline, shadow, dtype)
     for step in range(1, len(shadow.grads) + 1):
         _values("gradient", step, observed.grads[step - 1], baseline.grads[step - 1], shadow.grads[step - 1], v, dtype)
-        _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v, dtype)
+        _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v, dtype,
+                slack[step - 1])
         if not observed.state_unobserved:
             _values("optimizer state", step, observed.state[step - 1], baseline.state[step - 1],
                     shadow.state[step - 1], v, dtype)
@@ -323,6 +326,33 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
         v.checks.append(Check("compared at least one value a parameter", False,
                               f"compared {len(v.rows)} values for {len(shadow.params[0])} parameters"))
     return v
+
+
+def _adam_slack(case: TrainCase, baseline: Trace, shadow: Trace, dtype: torch.dtype) -> list[dict]:
+    """Per step, per parameter: how far Adam may move an element by rounding alone.
+
+    Adam's first step moves an element by lr * g / (|g| + eps): lr, whatever |g|, unless g is
+    below eps. Where the exact gradient is within its bound of zero (rounding noise: a
+    sum that cancels), the runs' gradients may differ in sign there, and each such step
+    moves the element by up to 2 lr one way or the other; later steps carry the difference.
+    Such an element may differ by 2 lr a step on which its gradient was noise; every other
+    element keeps its bound. A gradient off by a factor departs beyond its bound wherever it
+    is larger than noise, so the slack hides no such fault. SGD's step is linear in the
+    gradient: no slack."""
+    steps = len(shadow.grads)
+    if case.optimizer != "adam" or case.user is not None:
+        return [{} for _ in range(steps)]
+    out, flips = [], {}
+    for step in range(steps):
+        exact, base = shadow.grads[step], baseline.grads[step]
+        scale = max((g.abs().max().item() for g in exact.values() if g is not None and g.numel()), default=0.0)
+        for name, g in exact.items():
+            if g is None or base.get(name) is None or not g.numel():
+                continue
+            noise = g.double().abs() <= bound(base[name], g, dtype, scale)
+            flips[name] = flips.get(name, 0) + noise.double()
+        out.append({name: 2 * LR["adam"] * n for name, n in flips.items()})
+    return out
 
 
 def _direct(step: int, observed: tuple, baseline: tuple, shadow: tuple, out: Verdict, dtype: torch.dtype) -> None:
