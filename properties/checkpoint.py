@@ -60,8 +60,8 @@ def _within(space: bool, case: TrainCase, route: str) -> None:
 def trainable(case: TrainCase) -> bool:
     """Cases whose training itself works, so that there is something to checkpoint: not
     DDP's static graph with more than one microbatch a step, nor FSDP1 with TP on one dp
-    rank, with more than one microbatch or on llama_sp; those are training's findings, not
-    checkpoints' (the exclusions UNTRAINABLE, properties/exclusions.py)."""
+    rank or with more than one microbatch; those are training's findings, not checkpoints'
+    (the exclusions UNTRAINABLE, properties/exclusions.py)."""
     return not any(x.test(case) for x in UNTRAINABLE)
 
 
