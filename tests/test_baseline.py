@@ -35,6 +35,15 @@ def test_entries_round_trip_through_a_file_and_rebuild_the_case(tmp_path):
     assert known[0].drawn() == {"case": CASE} and known[0].summary == f"{REGISTRY}: departs"
 
 
+def test_a_file_learned_with_two_profiles_says_both(tmp_path):
+    path = str(tmp_path / "b.json")
+    baseline.write(path, [diverges("p", REGISTRY)], "ci", "torch")
+    baseline.write(path, [diverges("p", REGISTRY)], "smoke", "torch", baseline.load(path)[1])
+    assert baseline.load(path)[0]["profile"] == "ci, smoke"
+    baseline.write(path, [diverges("p", REGISTRY)], "ci", "torch")
+    assert baseline.load(path)[0]["profile"] == "ci, smoke"  # no profile twice
+
+
 def test_a_run_is_sorted_into_known_new_changed_fixed_and_not_run():
     listed = baseline.entries([diverges("a", "K"), diverges("b", "K"), diverges("c", "K"), diverges("d", "K"),
                                diverges("e", "K", world_size=8)])

@@ -161,13 +161,24 @@ def write(path: str, outcomes, profile: str, impl: str, keep: list[Known] = ()) 
     import torch
 
     known = list({k.key: k for k in [*keep, *entries(outcomes)]}.values())
-    doc = {"schema": SCHEMA, "torch": torch.__version__, "profile": profile, "impl": impl,
-           "known": [k.to_json() for k in known]}
+    doc = {"schema": SCHEMA, "torch": torch.__version__, "profile": _profiles(path, profile, torch.__version__),
+           "impl": impl, "known": [k.to_json() for k in known]}
     try:  # whole or not at all: a kill while it writes leaves the previous baseline
         write_whole(path, json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         raise UsageError(f"cannot write the baseline {path}: {exc.strerror or exc}") from None
     return len(known)
+
+
+def _profiles(path: str, profile: str, version: str) -> str:
+    """The profiles a baseline was learned with: ``profile``, after those of the file it
+    adds to (the same torch; ``recorded``), e.g. "ci, smoke"."""
+    try:
+        previous = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        previous = {}
+    learned = previous.get("profile", "") if isinstance(previous, dict) and previous.get("torch") == version else ""
+    return ", ".join(dict.fromkeys([*filter(None, str(learned).split(", ")), profile]))
 
 
 def resolve(name: str) -> Path:
@@ -190,8 +201,8 @@ def load(name: str) -> tuple[dict, list[Known]]:
         raise UsageError(f"cannot read the baseline {path}: {exc}") from None
     if isinstance(doc, dict) and isinstance(doc.get("schema"), int) and doc["schema"] < SCHEMA:
         raise UsageError(f"{path} is a baseline of schema {doc['schema']}, which keyed a divergence on its "
-                         f"first failed check; regenerate it: tpdp-verify gate --profile {doc.get('profile', 'ci')} "
-                         f"--baseline {path} --update-baseline")
+                         f"first failed check; regenerate it: tpdp-verify gate --profile "
+                         f"{str(doc.get('profile', 'ci')).split(', ')[0]} --baseline {path} --update-baseline")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("known"), list):
         raise UsageError(f"{path} is not a tpdp-verify baseline (schema {SCHEMA}); write one with "
                          "--update-baseline")
