@@ -62,7 +62,7 @@ def test_exception_while_others_wait_in_a_collective_restarts_the_pool(pool):
         pool.run(rank_fns.raise_while_others_reduce, 1)
     assert info.value.stuck == [0, 2, 3]
     assert "rank 1 leaves the collective" in str(info.value)
-    assert "ranks 0, 2, 3 were still busy" in str(info.value)
+    assert "ranks 0, 2, 3 were still blocked 1 s later, using no CPU" in str(info.value)
     assert wait_gone(old) == []
     assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
     assert pool.spawns == spawns + 1
@@ -300,3 +300,16 @@ def test_ranks_fork_from_a_server_without_a_terminal_and_still_print_on_the_call
     _, server, fd1, parents = line.split(" ", 3)
     assert fd1 == os.devnull
     assert parents == f"[{server}, {server}]"  # each rank forked from it
+
+
+@pytest.mark.timeout(60)
+def test_ranks_blocked_in_a_collective_for_a_rank_that_raised_are_not_waited_out():
+    """Ranks that use no CPU after another raised wait in a collective for it: reported
+    stuck within a second or two, not after the whole error grace (here 30 s)."""
+    with RankPool(4, "gloo", timeout=50.0, error_grace=30.0) as slow:
+        start = time.monotonic()
+        with pytest.raises(RankFailed) as info:
+            slow.run(rank_fns.raise_while_others_reduce, 1)
+        assert time.monotonic() - start < 30.0
+        assert info.value.stuck == [0, 2, 3] and "using no CPU" in str(info.value)
+        assert len(slow.run(rank_fns.rank_and_sum, 1)) == 4

@@ -27,5 +27,5 @@ def test_fsdp1_with_tp_trains_nothing_an_optimizer_built_before_wrapping_holds()
 @pytest.mark.timeout(300)
 def test_loss_parallel_over_an_empty_vocab_shard_raises_on_that_rank_and_the_others_wait():
     out = _run("loss_parallel_empty_vocab_shard.py")
-    assert "vocab 8: " in out and "raised on rank 3 of 4; ranks 0, 1, 2 were still busy" in out, out
+    assert "vocab 8: " in out and "raised on rank 3 of 4; ranks 0, 1, 2 were still blocked" in out, out
     assert "index 0 is out of bounds for dimension 1 with size 0" in out, out

@@ -347,6 +347,42 @@ def _describe_exit(code: int | None) -> str:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line \d+ in (?P<function>\S+)')
 
 
+# After a rank raised, the others are given the error grace to finish; ranks that used no
+# CPU for IDLE_WINDOW seconds (IDLE_CPU at most, each) are blocked in a collective for it,
+# and reported stuck at once. A rank that computes, even starved on a loaded machine, uses
+# far more. Where /proc is missing, the grace is waited out.
+IDLE_WINDOW, IDLE_CPU, IDLE_POLL = 1.0, 0.02, 0.25
+
+
+class _Idleness:
+    """Whether ranks used (almost) no CPU over the last IDLE_WINDOW seconds."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.since = pids, time.monotonic()
+        self.used = self._cpu()
+
+    def _cpu(self) -> dict[int, float] | None:
+        ticks, out = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, {}
+        for rank, pid in enumerate(self.pids):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                return None
+            out[rank] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        return out
+
+    def __call__(self, ranks: list[int]) -> bool:
+        if self.used is None or time.monotonic() - self.since < IDLE_WINDOW:
+            return False
+        now = self._cpu()
+        if now is None:
+            return False
+        idle = all(now[r] - self.used[r] <= IDLE_CPU for r in ranks)
+        self.since, self.used = time.monotonic(), now
+        return idle
+
+
 def _pending(stacks: dict[int, str]) -> str:
     """The innermost torch.distributed frame of the silent ranks' main threads (faulthandler
     lists the current thread first, innermost frame first): the collective they wait in."""
@@ -456,12 +492,15 @@ class _Ranks:
         """Wait for one reply from every rank, or raise on timeout or death."""
         pending = dict(enumerate(self.conns))
         replies: dict[int, tuple] = {}
-        graced = False
+        graced, idle = False, None
         while pending:
             left = deadline - time.monotonic()
-            if left <= 0:
-                if graced:  # an error came first: report it, naming who was stuck
-                    return replies | {r: ("stuck",) for r in pending}
+            blocked = graced and idle(sorted(pending))  # waiting in a collective for the rank that raised
+            if left <= 0 or blocked:
+                if graced:  # an error came first: report it, naming who was stuck and how it showed
+                    why = (f"blocked {IDLE_WINDOW:g} s later, using no CPU (waiting in a collective for the "
+                           "failed rank)") if blocked else f"busy {grace:g} s later (waiting in a collective for the failed rank?)"
+                    return replies | {r: ("stuck", why) for r in pending}
                 stacks = self.stacks(sorted(pending))
                 pending_in = _pending(stacks)
                 raise RankTimeout(
@@ -474,7 +513,7 @@ class _Ranks:
                 )
             waitables = {c: r for r, c in pending.items()}
             waitables |= {self.procs[r].sentinel: r for r in pending}
-            for ready in multiprocessing.connection.wait(list(waitables), timeout=left):
+            for ready in multiprocessing.connection.wait(list(waitables), timeout=min(left, IDLE_POLL) if graced else left):
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
@@ -493,7 +532,7 @@ class _Ranks:
                     ) from None
                 del pending[rank]
             if not graced and pending and any(r[0] == "error" or (r[0] == "ok" and r[2]) for r in replies.values()):
-                graced = True
+                graced, idle = True, _Idleness([p.pid for p in self.procs])
                 deadline = min(deadline, time.monotonic() + grace)
         return replies
 
@@ -704,6 +743,7 @@ class RankPool:
     def _results(self, what: str, replies: dict[int, tuple]) -> list:
         errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
         stuck = sorted(r for r, reply in replies.items() if reply[0] == "stuck")
+        stuck_why = next((reply[1] for reply in replies.values() if reply[0] == "stuck"), "")
         if not errors and not stuck:
             return [replies[r][1] for r in range(self.world_size)]
         if not errors:  # ranks that caught an exception left the others in a collective
@@ -719,8 +759,8 @@ class RankPool:
         message = f"{what} raised on {_ranks_text(errors)} of {self.world_size}"
         if stuck:
             message += (
-                f"; {_ranks_text(stuck)} {'was' if len(stuck) == 1 else 'were'} still busy {self.error_grace:g} s later "
-                "(waiting in a collective for the failed rank?), so the ranks were restarted"
+                f"; {_ranks_text(stuck)} {'was' if len(stuck) == 1 else 'were'} still {stuck_why}, "
+                "so the ranks were restarted"
             )
         message += f"\n--- rank {first} ---\n{errors[first][1].rstrip()}"
         raise RankFailed(message, {r: e[1] for r, e in errors.items()}, exceptions, stuck)
