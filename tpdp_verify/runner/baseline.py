@@ -332,8 +332,9 @@ def markdown(name: str, properties, impl: str = "torch") -> str:
     docs/known-divergences.md (``python -m tpdp_verify.runner.baseline NAME``)."""
     header, known = load(name)
     by_name = {p.name: p for p in properties}
-    out = [f"Recorded on torch {header['torch']} with the `{header['profile']}` profile: "
-           f"{len(known)} entries."]
+    profiles = str(header["profile"]).split(", ")
+    out = [f"Recorded on torch {header['torch']} with the {' and '.join(f'`{p}`' for p in profiles)} "
+           f"profile{'s' * (len(profiles) > 1)}: {len(known)} entries."]
     for k in known:
         out += ["", f"### {heading(k)}", "",
                 "Signature: " + ", ".join(f"`{p}`" for p in k.signature), "", k.summary, "",
