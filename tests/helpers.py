@@ -105,4 +105,4 @@ def the_one(found, stats, text: str) -> tuple[str, dict]:
     """The message and shrunk draw of the divergence among ``found`` whose message holds ``text``."""
     match = [e for e in found if text in str(e)]
     assert match, f"no divergence says {text!r}: {found}"
-    return str(match[0]), stats.failures[type(match[0]).__name__]
+    return str(match[0]), stats.failures[type(match[0]).signature]

@@ -142,7 +142,7 @@ def _findings(prop: Property, pool: RankPool, impl: str, found, stats: Stats, re
         if type(e).signature in seen:
             continue
         seen.add(type(e).signature)
-        drawn = stats.failures.get(type(e).__name__, stats.failing)
+        drawn = stats.failures.get(type(e).signature, stats.failing)
         out.append(_finding(prop, pool, impl, _failure_text(e, reported if len(found) == 1 else []),
                             type(e).signature, drawn))
     return out

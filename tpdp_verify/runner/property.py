@@ -38,7 +38,8 @@ class Stats:
     stopped_because: str = ""  # why hypothesis stopped generating, in its words
     shrink_seconds: float = 0.0  # spent shrinking (and explaining) what the search found
     failing: dict | None = None  # drawn arguments of the last failing example (the shrunk one)
-    # the same, a kind of failure (exception type) each: hypothesis shrinks distinct bugs apart
+    # the same, a failure's signature each: hypothesis shrinks distinct bugs (exception types) apart,
+    # and two signatures of one exception class name are two bugs
     failures: dict = field(default_factory=dict)
     cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
     learned: dict = field(default_factory=dict)  # writing a baseline: (region, signature) -> (text, drawn)
@@ -251,7 +252,7 @@ class Property:
                     known.learn(found.signature, drawn)
                     stats.learned[region(drawn), found.signature] = (str(found), drawn)
                     return
-                stats.failing = stats.failures[type(found).__name__] = drawn
+                stats.failing = stats.failures[found.signature] = drawn
                 if found is exc:
                     raise
                 raise found from exc
