@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from tpdp_verify.cases.training import DDP_ENTRIES, FSDP2_ENTRIES, DDPOptions, FSDP2Options, Habits
+from tpdp_verify.cases.training import DDP_ENTRIES, FSDP2_ENTRIES, DDPOptions, FSDP2Options, Habits, TrainCase
 from tpdp_verify.runner.suite import Exclusion
 
 # --------------------------------------------------------------------------- the data
@@ -78,6 +78,34 @@ def can_freeze(model: str) -> bool:
     part.requires_grad_(False)
     batch = fx.batch(torch.Generator().manual_seed(0), 2, Size())
     return fx.per_sample_loss(forward(net, net, batch), batch).requires_grad
+
+
+# Where the DP entry points carry TP as documented, so that a correct transform trains
+# exactly: the space of trains_like_one_device and trains_like_plain_ddp. The rest, where
+# TP+DP departs with the reference transform as with torch's (docs/properties.md), is
+# entry_points_train_like_one_device's: replicate with a mesh never trains; an optimizer
+# built before wrapping holds the DTensors the transform swapped out; DDP's static graph
+# with no_sync crashes without TP too; FSDP1 departs in several ways of its own making.
+SOUND_TRAINING = dict(entries=("ddp_mesh", "transform_ddp", "fully_shard", "replicate_fsdp"),
+                      built=("after_wrap", "after_forward"), static_graph=(False,), sound_only=True)
+
+
+def sound(case: TrainCase) -> bool:
+    return (case.entry in SOUND_TRAINING["entries"] and case.built in SOUND_TRAINING["built"]
+            and case.ddp.static_graph in SOUND_TRAINING["static_graph"] and sound_habits(case.entry, case.habits))
+
+
+# Habits that depart with the reference transform as with torch's, so they are the
+# entry_points_ property's to search (docs/properties.md, "Training habits"):
+# clip_grad_norm_ over the model's parameters sees the local shards DDP holds, or, under
+# FSDP2, DTensors on two meshes (a plan that leaves some parameter unsharded by TP);
+# activation checkpointing under DDP recomputes a block after the transform made its
+# parameters local shards; a block called directly between steps meets those shards too
+# (the transform's hooks are the root's: torch 2.13 passes only by its fault 1, which
+# leaves the DTensors behind). Under FSDP the same call departs without TP: the exclusion
+# direct_call_under_fsdp.
+def sound_habits(entry: str, habits: Habits) -> bool:
+    return habits.clip is None and not (entry in DDP_ENTRIES and (habits.checkpoint or habits.between == DIRECT))
 
 
 def rounds_to_half(case) -> bool:
@@ -182,8 +210,6 @@ HALF_AGAINST_ONE_DEVICE = Exclusion(
     rounds_to_half)
 
 def _half_outside_the_sound_space(case) -> bool:
-    from tpdp_verify.properties.training import sound
-
     return rounds_to_half(case) and not sound(case)
 
 

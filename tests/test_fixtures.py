@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpdp_verify.cases.training import empty_shard
 from tpdp_verify.fixtures import ZOO, Fixture, Size
 
 import fixture_rank_fns
@@ -126,6 +127,7 @@ def _assert_matches(result: dict, name: str):
 
 
 MESHES = [(2, 1), (2, 2), (4, 2), (4, 4)]
+VOCAB_SHARDED = ("llama_lm", "tied")  # the zoo models whose vocab TP shards (an embedding, an output head)
 
 
 @pytest.mark.parametrize("world_size, tp", MESHES, ids=[f"ws{w}-tp{t}" for w, t in MESHES])
@@ -133,8 +135,12 @@ MESHES = [(2, 1), (2, 2), (4, 2), (4, 4)]
 def test_tp_matches_the_unsharded_model(tpdp_pools, name, world_size, tp):
     fx, pool = ZOO[name], tpdp_pools.get(world_size)
 
+    # the fixture's plan against its unsharded model: where torch itself fails (a vocab that
+    # leaves a tp rank no column, fault 13: tests/test_replays_shipped.py) says nothing of it
+    sizes = fx.sizes(tp).filter(lambda s: not empty_shard(s.vocab, tp) or name not in VOCAB_SHARDED)
+
     @settings(max_examples=3, derandomize=True, database=None, deadline=None)
-    @given(size=fx.sizes(tp), seed=st.integers(0, 2**16))
+    @given(size=sizes, seed=st.integers(0, 2**16))
     def check(size, seed):
         results = pool.run(fixture_rank_fns.tp_against_unsharded, name, size, (world_size // tp, tp), seed, 3)
         for rank, result in enumerate(results):
