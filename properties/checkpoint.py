@@ -11,11 +11,11 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.cases.training import ENTRIES, TrainCase
 from tpdp_verify.errors import UsageError
 from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
 from tpdp_verify.properties.exclusions import UNTRAINABLE
-from tpdp_verify.properties.training import every_model, train_cases
+from tpdp_verify.properties.training import every_entry, every_model, train_cases
 from tpdp_verify.ranks.checkpoint import ROUTES
 from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaining
 
@@ -77,17 +77,21 @@ def sound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 
 
 def all_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    from tpdp_verify.cases.training import ENTRIES
-
     return checkpoint_cases(world_size, ENTRIES)
 
 
-def _covering(in_space):
-    """every_model's cases, each with the first route that puts it in the property's space."""
+def _covering(in_space, entries: tuple[str, ...]):
+    """every_model's cases, each with the first route that puts it in the property's space;
+    then the MLP's simplest case through every entry point, by every route in the space. A
+    route is drawn apart from the case, so an entry point with one route in the space
+    (FSDP1's state_dict) gets a few of 40 drawn cases, or none: every pair is met here."""
 
     def cover(strategies: dict) -> list[dict]:
-        return [{**c, "route": route} for c in every_model(strategies)
-                for route in [next((r for r in ROUTES if in_space(c["case"], r)), None)] if route]
+        models = [{**c, "route": route} for c in every_model(strategies)
+                  for route in [next((r for r in ROUTES if in_space(c["case"], r)), None)] if route]
+        met = {(repr(c["case"]), c["route"]) for c in models}
+        return models + [{"case": c, "route": r} for c in every_entry(strategies, entries) for r in ROUTES
+                         if in_space(c, r) and (repr(c), r) not in met]
 
     return cover
 
@@ -112,7 +116,8 @@ def entry_points_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> 
     verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: sound(c.entry, r, c.model, c)), case=sound_cases,
+@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: sound(c.entry, r, c.model, c), SOUND_CHECKPOINTS["entries"]),
+               case=sound_cases,
                route=st.sampled_from(ROUTES))
 def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
     """Saved after training and loaded into a fresh TP+DP model, model and optimizer are bit-exact, and so is the next step."""
@@ -120,7 +125,7 @@ def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
     verdict_resume(pool, impl, case, route, worth_explaining, known_now, dp_own_passes=True).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: not sound(c.entry, r, c.model, c)), case=all_cases,
+@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: not sound(c.entry, r, c.model, c), ENTRIES), case=all_cases,
                route=st.sampled_from(ROUTES))
 def entry_points_checkpoint_resume(pool, impl: str, case: TrainCase, route: str) -> None:
     """The same where an entry point or route departs whatever the transform: replicate, DCP of DDP's and FSDP1's optimizer state."""

@@ -131,10 +131,6 @@ def direct_under_fsdp(case) -> bool:
     return case.entry not in DDP_ENTRIES and case.habits.between == DIRECT
 
 
-# chunk_tensor is drawn on (dp, tp) root meshes only.
-CHUNK_TENSOR_MESH_DIMS = (2,)
-
-
 def _no_parameters(case) -> bool:
     from tpdp_verify.cases.trees import count_params
 
@@ -248,19 +244,11 @@ TREES_WITHOUT_PARAMETERS = Exclusion(
     "docs/properties.md#paths_resolve",
     _no_parameters)
 
-CHUNK_TENSOR_HSDP = Exclusion(
-    "chunk_tensor_hsdp", ("chunk_tensor_metadata",),
-    "chunk_tensor on a 3-D (HSDP) root mesh: the property's ranks build their groups from a "
-    "(dp, tp) mesh and have no 3-D one to hand chunk_tensor (tpdp-verify's limit, not torch's: "
-    "the meshes large models train with are an open issue)",
-    "docs/properties.md#fsdp-extension-dtensorextensions",
-    lambda case: len(case.mesh_shape) not in CHUNK_TENSOR_MESH_DIMS)
-
 EXCLUSIONS = (
     FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
     CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE,
-    TREES_WITHOUT_PARAMETERS, CHUNK_TENSOR_HSDP, HALF_AGAINST_ONE_DEVICE,
+    TREES_WITHOUT_PARAMETERS, HALF_AGAINST_ONE_DEVICE,
     HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP,
 )
 

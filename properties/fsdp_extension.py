@@ -20,7 +20,6 @@ import torch
 from tpdp_verify import signature
 from tpdp_verify.cases.tensors import FSDPCase, TensorCase
 from tpdp_verify.judging.verdict import Verdict
-from tpdp_verify.properties.exclusions import CHUNK_TENSOR_MESH_DIMS
 from tpdp_verify.properties.returned import is_a, items, kind, unpacked
 from tpdp_verify.properties.roundtrip import (
     RoundTrip,
@@ -317,7 +316,7 @@ def observe_chunk_tensor(case: FSDPCase, impl_name: str) -> list[Check]:
 
     ext = load_fsdp(impl_name, device_type())
     root, _, tp_mesh = _meshes(case)
-    dp = root.get_group("dp")
+    dp = root.get_group(case.mesh_names[-2])  # FSDP's own group: HSDP hands it the shard dim's
     full, param = case.full(), _parameter(case, tp_mesh)
     param = param.detach()  # state_dict() values are detached
     st, checks = _raised("chunk_tensor", lambda: ext.chunk_tensor(param, dp.rank(), dp.size(), 1, dp))
@@ -378,7 +377,7 @@ def _loaded_check(returned, inner) -> Check:
                  f"got {type(loaded).__name__} and {len(listed)} shards")
 
 
-@tpdp_property(case=lambda world_size: fsdp_cases(world_size, mesh_dims=CHUNK_TENSOR_MESH_DIMS))  # chunk_tensor_hsdp
+@tpdp_property(case=fsdp_cases)
 def chunk_tensor_metadata(pool, impl: str, case: FSDPCase) -> None:
     """chunk_tensor(t)'s ShardedTensor: its local shard is DTensor's local shape and offset, its shards tile t once, its inner chunks hold t's shard."""
     Verdict.of_ranks(pool.run(observe_chunk_tensor, case, impl)).raise_if_failed()

@@ -201,6 +201,8 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
 
 _FIND = settings(database=None, derandomize=True, max_examples=500, phases=[Phase.generate, Phase.shrink],
                  suppress_health_check=list(HealthCheck))
+# A model through one entry point is rarer: 500 examples miss FSDP1's MLP among the checkpoint cases
+_FIND_THROUGH = settings(_FIND, max_examples=2000)
 
 
 _simplest_cases: dict[tuple[str, str], TrainCase | None] = {}
@@ -221,20 +223,24 @@ def _shipped() -> dict[str, dict[str, str | None]]:
     return doc["cases"] if doc.get("hypothesis") == hypothesis.__version__ else {}
 
 
-def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool = True) -> TrainCase | None:
+def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool = True,
+              entry: str | None = None) -> TrainCase | None:
     """Cached by the strategy's repr, which writes out the composite's arguments and its
-    filters: properties that draw from one space share the search (a second a model)."""
-    key = (repr(strategy), model)
+    filters: properties that draw from one space share the search (a second a model).
+    With ``entry``, the simplest case of the model through that DP entry point."""
+    label = model if entry is None else f"{model} through {entry}"
+    key = (repr(strategy), label)
     if key not in _simplest_cases:
         found = _shipped().get(key[0], {}) if shipped else {}
-        if model in found:
-            _simplest_cases[key] = None if found[model] is None else eval(  # noqa: S307: the file's own reprs
-                found[model], {"TrainCase": TrainCase, "Size": Size, "DDPOptions": DDPOptions,
+        if label in found:
+            _simplest_cases[key] = None if found[label] is None else eval(  # noqa: S307: the file's own reprs
+                found[label], {"TrainCase": TrainCase, "Size": Size, "DDPOptions": DDPOptions,
                                "FSDP2Options": FSDP2Options, "Habits": Habits})
         else:
             try:
                 with without_local_constants():  # the same cases whatever the process imported
-                    _simplest_cases[key] = find(strategy, lambda c: c.model == model, settings=_FIND)
+                    _simplest_cases[key] = find(strategy, lambda c: c.model == model and entry in (None, c.entry),
+                                                settings=_FIND if entry is None else _FIND_THROUGH)
             except NoSuchExample:
                 _simplest_cases[key] = None
     return _simplest_cases[key]
@@ -252,8 +258,15 @@ def cover_spaces(properties) -> list[st.SearchStrategy[TrainCase]]:
 
 def find_cover_cases(properties, shipped: bool = False) -> dict[str, dict[str, str | None]]:
     """Every cover case of the properties, as FOUND holds them (``shipped``: read them from it)."""
-    return {repr(s): {m: None if (c := _simplest(s, m, shipped)) is None else repr(c) for m in ZOO}
-            for s in cover_spaces(properties)}
+    labels = [(m, None) for m in ZOO] + [("mlp", e) for e in ENTRIES]
+    return {repr(s): {m if e is None else f"{m} through {e}": None if (c := _simplest(s, m, shipped, e)) is None
+                      else repr(c) for m, e in labels} for s in cover_spaces(properties)}
+
+
+def every_entry(strategies: dict, entries: tuple[str, ...] = ENTRIES, model: str = "mlp") -> list[TrainCase]:
+    """The simplest case of ``model`` through each of ``entries`` the case strategy reaches."""
+    found = (_simplest(strategies["case"], model, entry=e) for e in entries)
+    return [c for c in found if c is not None]
 
 
 def every_model(strategies: dict) -> list[dict]:

@@ -38,6 +38,14 @@ def raise_while_others_reduce(rank):
     dist.all_reduce(torch.ones(1))
 
 
+def reduce_alone_then_raise():
+    """Rank 0 starts an all_reduce the others never join, and every rank raises: rank 0's
+    collectives are now one ahead of the others'."""
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(39), async_op=True)
+    raise ValueError(f"rank {dist.get_rank()} raised")
+
+
 def catch_while_others_reduce(rank):
     """``rank`` catches an exception and returns it, as the training loop does with a
     finding, while the others enter an all_reduce it never joins."""

@@ -139,3 +139,17 @@ def test_a_departure_without_tp_excuses_only_departures_no_larger():
     assert no_larger(Verdict(departures={key: 6e-8}), alone)
     assert not no_larger(Verdict(departures={key: 1e-2}), alone)  # the same check, a hundred thousand times further
     assert not no_larger(Verdict(departures={key.replace("w1", "w2"): 1e-9}), alone)  # a value DP alone keeps
+
+
+@pytest.mark.parametrize("prop, in_space", [(checkpoint_resumes, True), (entry_points_checkpoint_resume, False)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_the_cover_cases_reach_every_entry_point_by_every_route_in_the_space_at_dp_x_tp(prop, in_space):
+    """A route is drawn apart from the case: 40 drawn cases at 4 ranks met FSDP1's one
+    sound route once in a hundred and fifty checkpoint cases. The cover meets each pair."""
+    from tpdp_verify.cases.training import ENTRIES
+    from tpdp_verify.properties.checkpoint import sound
+    from tpdp_verify.ranks.checkpoint import ROUTES
+
+    strategies = {k: s(4) if callable(s) else s for k, s in prop.strategies.items()}
+    covered = {(c["case"].entry, c["route"]) for c in prop.cover(strategies) if min(c["case"].mesh_shape) > 1}
+    assert covered == {(e, r) for e in ENTRIES for r in ROUTES if sound(e, r) == in_space}

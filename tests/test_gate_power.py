@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from tpdp_verify.properties import (entry_points_train_like_one_device, flatten_roundtrip, ignored_params_untouched,
-                                    trains_like_one_device)
+from tpdp_verify.properties import (checkpoint_resumes, entry_points_train_like_one_device, flatten_roundtrip,
+                                    ignored_params_untouched, miswiring_refused_or_exact, trains_like_one_device)
 from tpdp_verify.runner import baseline, profiles
 from tpdp_verify.runner.gate import check_property
 
@@ -77,3 +77,36 @@ def test_a_five_percent_gradient_fault_of_bfloat16_cases_alone_is_new(tpdp_pools
     outcome = check_property(prop, tpdp_pools.get(2), f"torch_mutants.{mutant.__name__}", profile, known=regional)
     new = [f for f in outcome.findings if not f.status and "value:gradient" in f.signature]
     assert new and all(f.drawn["case"].dtype == "bfloat16" for f in new), outcome.findings
+
+
+@pytest.mark.timeout(600)
+def test_gradients_one_percent_too_large_after_a_load_are_new(tpdp_pools):
+    """A regression that scales gradients by 1.01 once a model has loaded a checkpoint: only
+    the resumed step departs, through FSDP1 (the one entry point whose checkpoints load
+    through the transform on torch 2.13), which the cover cases reach at dp x tp whatever
+    the draw. DP alone resumes within an ulp at world size 4, which excuses only a departure
+    no larger (issue 29)."""
+    from tpdp_verify.runner.property import region
+
+    mutant, prop = torch_mutants.LoadedGradScales, checkpoint_resumes
+    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})
+    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
+    outcome = check_property(prop, tpdp_pools.get(4), f"torch_mutants.{mutant.__name__}", profile, known=regional)
+    new = [f for f in outcome.findings if not f.status]
+    assert new and all(f.drawn["case"].entry == "fsdp1" and region(f.drawn).endswith("dp x tp") for f in new), \
+        outcome.findings
+    assert all(any("the-resumed" in p for p in f.signature) for f in new)
+
+
+@pytest.mark.timeout(600)
+def test_an_exception_before_the_first_step_that_is_not_a_refusal_is_new(tpdp_pools):
+    """A miswired case is refused only by an error about the mesh or group; a regression
+    that raises about anything else while wrapping is NEW (issue 29)."""
+    mutant, prop = torch_mutants.FlattenRefusesViews, miswiring_refused_or_exact
+    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})
+    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
+    outcome = check_property(prop, tpdp_pools.get(4), f"torch_mutants.{mutant.__name__}", profile, known=regional)
+    new = [f for f in outcome.findings if not f.status]
+    assert new and all("check:refuses-a-miswiring-before-training-or-trains-exactly" in f.signature for f in new), \
+        outcome.findings
+    assert all("contiguous local tensor" in f.failure for f in new)

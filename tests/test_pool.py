@@ -19,9 +19,15 @@ TIMEOUT = 4.0
 
 
 @pytest.fixture(scope="module")
-def pool():
+def ranks():
     with RankPool(4, "gloo", timeout=TIMEOUT, error_grace=1.0) as pool:
         yield pool
+
+
+@pytest.fixture
+def pool(ranks):
+    ranks.run(rank_fns.rank_and_sum, 0)  # up, whatever the test before left (after a raise: fresh ranks)
+    return ranks
 
 
 def test_results_come_back_in_rank_order(pool):
@@ -52,8 +58,17 @@ def test_exception_names_the_rank_and_carries_its_traceback(pool):
     assert "`rank_fns.raise_on` raised on rank 2 of 4" in message
     assert "Traceback" in message and "ValueError: boom on 2" in message
     assert set(info.value.tracebacks) == {2} and isinstance(info.value.exceptions[2], ValueError)
-    assert pool.spawns == spawns  # the other ranks answered: the pool is still healthy
     assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
+    assert pool.spawns == spawns + 1  # a rank raised: the next run gets fresh ranks
+
+
+def test_a_collective_a_failed_run_left_behind_never_reaches_the_next_run(pool):
+    """Rank 0 starts an all_reduce and raises, the others raise before joining it: rank 0's
+    bytes wait in the group, and the next run's all_reduce would meet them (gloo aborts on
+    the size mismatch)."""
+    with pytest.raises(RankFailed):
+        pool.run(rank_fns.reduce_alone_then_raise)
+    assert [t.item() for _, _, t in pool.run(rank_fns.rank_and_sum, 1)] == [6.0] * 4
 
 
 def test_exception_while_others_wait_in_a_collective_restarts_the_pool(pool):
@@ -81,10 +96,11 @@ def test_a_rank_that_catches_while_others_wait_restarts_the_pool_before_the_time
     assert pool.spawns == spawns + 1
 
 
-def test_ranks_that_all_catch_return_their_results(pool):
+def test_ranks_that_all_catch_return_their_results_and_the_next_run_gets_fresh_ranks(pool):
     spawns = pool.spawns
     assert pool.run(rank_fns.everyone_catches) == [0, 1, 2, 3]
-    assert pool.spawns == spawns
+    assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
+    assert pool.spawns == spawns + 1
 
 
 @pytest.mark.timeout(60)

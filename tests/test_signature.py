@@ -57,3 +57,18 @@ def test_a_real_exception_keeps_its_innermost_frame_as_a_detail():
         assert signature._pick([(HARNESS, "step"), *torch_frames], "ValueError") == \
             "raised:ValueError at torch/optim/sgd.py:__init__"
         assert signature.innermost(exc) == " (raised in torch/optim/optimizer.py:__init__)"
+
+
+def test_ranks_left_waiting_for_a_rank_that_raised_do_not_change_its_signature():
+    """Whether a rank reaches the raise or a collective first is timing: the same fault
+    has one signature whichever way its ranks went, and the report still names the wait."""
+    from tpdp_verify.errors import RankFailed
+    from tpdp_verify.ranks.pool import CAUGHT_PART
+    from tpdp_verify.runner.property import finding
+
+    part = "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"
+    raised = {r: f"Traceback ...\nRuntimeError: boom\n{CAUGHT_PART}{part}" for r in (2, 3)}
+    all_raised = finding(RankFailed("raised on ranks 0-3", dict.fromkeys(range(4), raised[2]), {}, []))
+    some_waited = finding(RankFailed("raised on ranks 2, 3; ranks 0, 1 were still blocked", raised, {}, [0, 1]))
+    assert type(all_raised).signature == type(some_waited).signature == (part,)
+    assert "still blocked" in str(some_waited)

@@ -146,6 +146,41 @@ class BFloat16GradScales(TorchReference):
         return _unflatten(tensor, spec, _sync_grad_hook_scaling_half, device_handle, compute_stream)
 
 
+def _sync_grad_hook_scaling_loaded(grad, *, device_handle=None, compute_stream=None):
+    """torch's sync_grad_hook, times 1.01: a stray factor left on the gradients of a model
+    that loaded a checkpoint (a loss scale restored twice, a hook registered again)."""
+    return _dpu.sync_grad_hook(grad, device_handle=device_handle, compute_stream=compute_stream) * 1.01
+
+
+def _modules_on_the_stack(method: str):
+    """The modules whose ``method`` is running below the caller, innermost first."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == method and isinstance(frame.f_locals.get("self"), nn.Module):
+            yield frame.f_locals["self"]
+        frame = frame.f_back
+
+
+class LoadedGradScales(TorchReference):
+    """Once a model has loaded a state dict, ``_unflatten_tensor``'s hook scales its TP
+    parameters' gradients by 1.01. FSDP1 rebuilds its DTensors through the transform while
+    it loads (its pre-load hook unshards), which is where the mutant marks the model; a
+    model that never loads trains as torch's does, so only checkpoint_resumes' resumed
+    step departs, 1% where DP alone resumes exactly or an ulp away
+    (oracles.checkpoints.no_larger)."""
+
+    caught_by = frozenset({"checkpoint_resumes"})
+    departs_as = frozenset({"TheResumedModelAfterTheStepIsTheUninterruptedOnes"})
+
+    @staticmethod
+    def unflatten_tensor(tensor, spec, *, device_handle=None, compute_stream=None):
+        for loading in _modules_on_the_stack("load_state_dict"):
+            loading._tpdp_mutant_loaded = True
+        loaded = any(getattr(m, "_tpdp_mutant_loaded", False) for m in _modules_on_the_stack("forward"))
+        hook = _sync_grad_hook_scaling_loaded if loaded else _dpu.sync_grad_hook
+        return _unflatten(tensor, spec, hook, device_handle, compute_stream)
+
+
 # -- (b) a rank aborts ------------------------------------------------------------------
 
 
@@ -248,6 +283,22 @@ class FlattenReturnsTheFullTensor(TorchReference):
     def flatten_tensor(tensor):
         if isinstance(tensor, DTensor):
             return tensor.full_tensor().detach().requires_grad_(), tensor._spec
+        return tensor, None
+
+
+class FlattenRefusesViews(TorchReference):
+    """``_flatten_tensor`` raises on every DTensor, with a message about the local tensor's
+    layout, not the mesh or group (a contiguity check that went in inverted): every DDP
+    wrap with TP fails before the first step. A miswired case must count it a finding,
+    not a refusal of the wiring (oracles.verdicts.refusal)."""
+
+    caught_by = frozenset({"miswiring_refused_or_exact"})
+    departs_as = frozenset({"RefusesAMiswiringBeforeTrainingOrTrainsExactly"})
+
+    @staticmethod
+    def flatten_tensor(tensor):
+        if isinstance(tensor, DTensor):
+            raise RuntimeError("flatten_tensor expects a contiguous local tensor, got a view")
         return tensor, None
 
 

@@ -553,6 +553,15 @@ class _Ranks:
         return replies
 
 
+def _raised(replies: dict[int, tuple]) -> bool:
+    """Whether the code a run called raised on some rank (or a rank caught what it raised).
+    Ranks that raise part-way through their collectives leave bytes sent and never read in
+    the group, and the next run's collective would read them: gloo aborts a rank on a size
+    it did not expect, and takes equal sizes for data. The next run gets fresh ranks, so
+    that no case's outcome depends on the cases before it."""
+    return any(reply[0] == "error" or (reply[0] == "ok" and reply[2]) for reply in replies.values())
+
+
 def _under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -722,7 +731,7 @@ class RankPool:
                 self._retire(graceful=False)
                 raise
             self.slowest = max(self.slowest, time.monotonic() - start)
-            if self._ranks.busy:
+            if self._ranks.busy or _raised(replies):
                 self._retire(graceful=False)
             elif self.max_rss_growth:
                 self._ranks.note(replies, self.max_rss_growth)

@@ -133,8 +133,10 @@ def finding(exc: BaseException) -> Divergence | None:
     if isinstance(exc, RankFailed):
         parts = {_part(tb) for tb in exc.tracebacks.values()}
         if all(" at " in p for p in parts):  # raised by the code under test, not by ours
-            # ranks left waiting for the ones that raised: they hang with the case
-            return divergence(signature.of(parts | ({signature.HANG} if exc.stuck else set())))(str(exc))
+            # Ranks left waiting for the ones that raised are named in the message, not the
+            # signature: whether a rank reached the raise or a collective first is timing,
+            # and the wait is the raise's (a fault's signature must not move run to run)
+            return divergence(signature.of(parts))(str(exc))
     return None
 
 
