@@ -116,17 +116,16 @@ def entry_points_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> 
     verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: sound(c.entry, r, c.model, c), SOUND_CHECKPOINTS["entries"]),
-               case=sound_cases,
-               route=st.sampled_from(ROUTES))
+@tpdp_property(min_world_size=2, case=sound_cases, route=st.sampled_from(ROUTES),
+               cover=_covering(lambda c, r: sound(c.entry, r, c.model, c), SOUND_CHECKPOINTS["entries"]))
 def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
     """Saved after training and loaded into a fresh TP+DP model, model and optimizer are bit-exact, and so is the next step."""
     _within(sound(case.entry, route, case.model, case), case, route)
     verdict_resume(pool, impl, case, route, worth_explaining, known_now, dp_own_passes=True).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=_covering(lambda c, r: not sound(c.entry, r, c.model, c), ENTRIES), case=all_cases,
-               route=st.sampled_from(ROUTES))
+@tpdp_property(min_world_size=2, case=all_cases, route=st.sampled_from(ROUTES),
+               cover=_covering(lambda c, r: not sound(c.entry, r, c.model, c), ENTRIES))
 def entry_points_checkpoint_resume(pool, impl: str, case: TrainCase, route: str) -> None:
     """The same where an entry point or route departs whatever the transform: replicate, DCP of DDP's and FSDP1's optimizer state."""
     _within(not sound(case.entry, route, case.model, case), case, route)

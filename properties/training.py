@@ -223,12 +223,17 @@ def _shipped() -> dict[str, dict[str, str | None]]:
     return doc["cases"] if doc.get("hypothesis") == hypothesis.__version__ else {}
 
 
+def _label(model: str, entry: str | None) -> str:
+    """How FOUND names a cover case: its model, and the entry point it was found through."""
+    return model if entry is None else f"{model} through {entry}"
+
+
 def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool = True,
               entry: str | None = None) -> TrainCase | None:
     """Cached by the strategy's repr, which writes out the composite's arguments and its
     filters: properties that draw from one space share the search (a second a model).
     With ``entry``, the simplest case of the model through that DP entry point."""
-    label = model if entry is None else f"{model} through {entry}"
+    label = _label(model, entry)
     key = (repr(strategy), label)
     if key not in _simplest_cases:
         found = _shipped().get(key[0], {}) if shipped else {}
@@ -259,8 +264,8 @@ def cover_spaces(properties) -> list[st.SearchStrategy[TrainCase]]:
 def find_cover_cases(properties, shipped: bool = False) -> dict[str, dict[str, str | None]]:
     """Every cover case of the properties, as FOUND holds them (``shipped``: read them from it)."""
     labels = [(m, None) for m in ZOO] + [("mlp", e) for e in ENTRIES]
-    return {repr(s): {m if e is None else f"{m} through {e}": None if (c := _simplest(s, m, shipped, e)) is None
-                      else repr(c) for m, e in labels} for s in cover_spaces(properties)}
+    return {repr(s): {_label(m, e): None if (c := _simplest(s, m, shipped, e)) is None else repr(c) for m, e in labels}
+            for s in cover_spaces(properties)}
 
 
 def every_entry(strategies: dict, entries: tuple[str, ...] = ENTRIES, model: str = "mlp") -> list[TrainCase]:

@@ -123,3 +123,14 @@ def speak_and_say_parent():
     print(f"rank {dist.get_rank()} says hello", flush=True)
     os.write(2, f"rank {dist.get_rank()} writes to fd 2\n".encode())
     return os.getppid()
+
+
+_RAN: list = []
+
+
+def dies_after_another_run(rank):
+    """``rank`` segfaults if its process has run this before: a fault an earlier case left."""
+    if _RAN and dist.get_rank() == rank:
+        ctypes.string_at(0)
+    _RAN.append(rank)
+    return dist.get_rank()

@@ -329,3 +329,17 @@ def test_ranks_blocked_in_a_collective_for_a_rank_that_raised_are_not_waited_out
         assert time.monotonic() - start < 30.0
         assert info.value.stuck == [0, 2, 3] and "using no CPU" in str(info.value)
         assert len(slow.run(rank_fns.rank_and_sum, 1)) == 4
+
+
+def test_a_death_that_only_the_ranks_history_causes_is_judged_on_fresh_ranks(pool):
+    """on_fresh_ranks: a rank that dies after earlier runs, and not on fresh ranks, leaves the
+    verdict to the fresh run and its death to the record; one that dies again is the case's."""
+    from tpdp_verify.runner.property import on_fresh_ranks
+
+    history: list = []
+    pool.run(rank_fns.dies_after_another_run, 1)  # these ranks have run it now
+    on_fresh_ranks(pool.run, rank_fns.dies_after_another_run, 1, history=history)
+    assert len(history) == 1 and "rank 1 of 4 was killed by SIGSEGV" in history[0][0]
+    with pytest.raises(RankDied):  # dies on fresh ranks too: its own death
+        on_fresh_ranks(pool.run, rank_fns.die_on, 2, "segfault", history=history)
+    assert len(history) == 1

@@ -142,6 +142,8 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 "replays": o.stats.replays,
                 "replay_seconds": round(o.stats.replay_seconds, 3),
                 "known_by_parts_shown": o.stats.by_parts,
+                "died_after_other_cases": [{"failure": text, "case": {k: repr(v) for k, v in drawn.items()}}
+                                           for text, drawn in o.stats.history],
                 "rank_output": o.rank_output or None,
                 "message": o.message,
                 "findings": [{"status": f.status or "found", "signature": list(f.signature), "kind": f.kind,

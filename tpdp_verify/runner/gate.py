@@ -28,7 +28,7 @@ from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.runner import coverage
 from tpdp_verify.runner.profiles import Profile
-from tpdp_verify.runner.property import Judge, Property, Stats, finding
+from tpdp_verify.runner.property import Judge, Property, Stats, finding, on_fresh_ranks
 
 # once ranks have hung, a call counts as hung after 5x the slowest call that answered (the
 # pool's after_hang): a build that hangs, hangs in many cases, and a full timeout each is hours
@@ -330,6 +330,11 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    f" s (budget {profile.replay_total:g} s)" + (
                        f"; once it was spent, {by_parts} failures showing only parts the baseline had shown "
                        "were counted known without a replay" if by_parts else ""))
+    history = [(o, text) for o in outcomes for text, _ in o.stats.history]
+    if history:
+        out.append(f"{len(history)} cases killed a rank after other cases on the same ranks and not on fresh ones "
+                   "(each judged by its run on fresh ranks; the death is a fault of an earlier case's, in the JSON): "
+                   + "; ".join(f"{o.property} (world {o.world_size}): {text.splitlines()[0]}" for o, text in history))
     unshrunk = [o for o in outcomes if o.unshrunk]
     if unshrunk:
         out.append(f"the gate spent its {profile.shrink_total:g} s of shrinking ({profile.name}); "
@@ -377,7 +382,7 @@ def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto",
                 pool = RankPool(entry.world_size, backend, timeout=timeout, output=rank_output)
                 pools[entry.world_size] = stack.enter_context(pool)
             try:
-                by_name[entry.property].fn(pools[entry.world_size], impl, **entry.drawn())
+                on_fresh_ranks(by_name[entry.property].fn, pools[entry.world_size], impl, **entry.drawn())
             except Exception as exc:
                 found = finding(exc)
                 if found is None:

@@ -46,6 +46,9 @@ class Stats:
     replays: int = 0  # failures run again on the baseline implementation (gate --baseline-python)
     replay_seconds: float = 0.0  # the time those took, here and on the baseline's ranks
     by_parts: int = 0  # failures judged by the parts the baseline had shown, its replay budget spent
+    # (what died, the case) where a rank died on ranks that had run other cases but not on
+    # fresh ones: the case is judged by its run on fresh ranks (on_fresh_ranks)
+    history: list = field(default_factory=list)
 
 
 Judge = Callable[[signature.Signature, dict], bool]  # (a failure's signature, its case) -> known?
@@ -138,6 +141,29 @@ def finding(exc: BaseException) -> Divergence | None:
             # and the wait is the raise's (a fault's signature must not move run to run)
             return divergence(signature.of(parts))(str(exc))
     return None
+
+
+def on_fresh_ranks(fn: Callable, *args, history: list | None = None, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, and should a rank die, once more. A pool whose rank died
+    starts fresh ranks, so the second run has no history: a death it shows again is the
+    case's own. One it does not show came from what earlier cases left in the ranks (torch
+    reading memory it freed, a group left broken), so the case is judged by its second run
+    and the death is kept in ``history`` with the case: a verdict must not depend on which
+    cases ran before it on the same processes."""
+    try:
+        fn(*args, **kwargs)
+        return
+    except RankDied as died:
+        first = str(died)
+    again = False
+    try:
+        fn(*args, **kwargs)
+    except RankDied:
+        again = True
+        raise
+    finally:
+        if not again and history is not None:
+            history.append((first, dict(kwargs)))
 
 
 def _part(traceback_text: str) -> str:
@@ -238,7 +264,7 @@ class Property:
             drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
             _DRAWN.set(drawn)
             try:
-                self.fn(*args, **kwargs)
+                on_fresh_ranks(self.fn, *args, history=stats.history, **kwargs)
             except UnsatisfiedAssumption:
                 stats.discarded += 1
                 raise
