@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tpdp_verify import signature
 from tpdp_verify.errors import PoolError, UsageError
-from tpdp_verify.runner.property import Property, Stats, finding, region
+from tpdp_verify.runner.property import Property, Stats, finding, on_fresh_ranks, region
 
 
 class ReplayError(PoolError):
@@ -60,9 +60,10 @@ class ImplSide:
 
 
 def run_case(prop: Property, pool, impl: str, drawn: dict) -> signature.Signature:
-    """What ``prop`` shows on ``drawn`` with ``impl``: its signature, () when it passes."""
+    """What ``prop`` shows on ``drawn`` with ``impl``: its signature, () when it passes (a
+    death only the ranks' history causes is not the case's: on_fresh_ranks)."""
     try:
-        prop.fn(pool, impl, **drawn)
+        on_fresh_ranks(prop.fn, pool, impl, **drawn)
     except Exception as exc:
         found = finding(exc)
         if found is None:
