@@ -20,6 +20,7 @@ import torch
 
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.judging.verdict import Verdict
+from tpdp_verify.oracles import aside
 from tpdp_verify.ranks.checkpoint import Seen, observe_checkpoint
 from tpdp_verify.ranks.loop import build
 from tpdp_verify.ranks.observation import Check
@@ -200,10 +201,14 @@ def judge_resume(case: TrainCase, seen: list[Seen]) -> Verdict:
     return v
 
 
-def _without_tp(verdict: Verdict, pool, case: TrainCase, route: str | None, judge) -> Verdict:
+def _without_tp(verdict: Verdict, pool, case: TrainCase, route: str | None, judge) -> Verdict | None:
     """The same case through the same entry point without TP; the verdict says whether
-    the departure is TP+DP's or the entry point's own."""
-    alone = judge(case, run_checkpoint(pool, "torch", case, route, tp=False))
+    the departure is TP+DP's or the entry point's own (None: that run failed, ``aside``)."""
+    seen, failed = aside(run_checkpoint, pool, "torch", case, route, False)
+    if failed:
+        verdict.plain_ddp = failed
+        return None
+    alone = judge(case, seen)
     verdict.plain_ddp = ("checkpoints exactly: the departure is TP+DP's" if alone.ok else
                          f"departs too ({alone.kind}): the departure is {case.entry}'s own")
     return alone
@@ -232,7 +237,8 @@ def verdict_resume(pool, impl: str, case: TrainCase, route: str, explain: Explai
     if dp_own_passes and known(verdict.signature):
         return verdict  # known as it is: no need to ask whose it is
     alone = _without_tp(verdict, pool, case, route, judge_resume)
-    if dp_own_passes and not alone.ok and set(verdict.signature) <= set(alone.signature) and no_larger(verdict, alone):
+    if dp_own_passes and alone is not None and not alone.ok and set(verdict.signature) <= set(alone.signature) \
+            and no_larger(verdict, alone):
         return Verdict(against=verdict.against, plain_ddp=verdict.plain_ddp)
     return verdict
 

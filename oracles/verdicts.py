@@ -7,6 +7,7 @@ from typing import Callable
 
 from tpdp_verify.cases.training import MISWIRINGS, TrainCase
 from tpdp_verify.judging.verdict import Verdict, assemble, judge_training, localize
+from tpdp_verify.oracles import aside
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp, observe_with_plain_ddp
 from tpdp_verify.oracles.single_device import oracle
 from tpdp_verify.ranks.observation import Check
@@ -16,14 +17,19 @@ from tpdp_verify.signature import Signature
 
 def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     """Run the case again with every module's output recorded, to name where it departs,
-    and without TP through the same entry point, to say whether DP alone departs too."""
-    traces = pool.run(observe, case, impl, True)
-    if not any(t.error for t in traces):
+    and without TP through the same entry point, to say whether DP alone departs too
+    (each run ``aside``: what it meets is not the case's finding)."""
+    traces, _ = aside(pool.run, observe, case, impl, True)
+    if traces and not any(t.error for t in traces):
         baseline, shadow = oracle(case, capture=True)
         verdict.first_module = localize(traces, case, baseline, shadow)
     if case.entry == "own":  # the user's function wraps DP with TP: it has no run without TP
         return
-    plain, checks = assemble(case, pool.run(observe_plain_ddp, case))
+    observed, failed = aside(pool.run, observe_plain_ddp, case)
+    if failed:
+        verdict.plain_ddp = failed
+        return
+    plain, checks = assemble(case, observed)
     alone = judge_training(case, plain, *oracle(case))
     alone.checks[:0] = checks
     verdict.plain_ddp = "trains like one device: the departure is TP+DP's" if alone.ok else \

@@ -208,3 +208,20 @@ def test_the_shipped_cover_cases_cover_every_case_space_of_the_suite_and_are_in_
     assert training.find_cover_cases(ALL, shipped=True) == doc["cases"]  # each one rebuilds from its repr
     found = [c for models in doc["cases"].values() for m, c in models.items() if c and m in ZOO]
     assert len(found) >= len(spaces) * len(ZOO) * 0.8  # most spaces reach most models
+
+
+@pytest.mark.timeout(300)
+def test_a_run_made_to_explain_a_failure_never_becomes_its_finding(tpdp_pools):
+    """Only failures a baseline does not know are explained (run without TP), so what an
+    explaining run meets must not be the case's signature. Here FSDP1 without TP aborts a
+    rank (gloo: a collective whose sizes the ranks disagree on) where FSDP1 with TP raises in
+    its forward: the case is the raise, the abort is said beside it (issue 24)."""
+    from tpdp_verify.cases.training import Size
+
+    case = TrainCase(model="frozen", size=Size(dim=3, hidden=20), mesh_shape=(2, 2), entry="fsdp1",
+                     habits=Habits(clip=0.01, checkpoint=True, between="no_grad", set_to_none=True, ignored="trained"),
+                     optimizer="adam", built="before_wrap", eval_first=True, steps=2, accumulate=2, local_batch=1,
+                     seed=742, dtype="bfloat16")
+    verdict = verdict_one_device(tpdp_pools.get(4), "torch", case)
+    assert verdict.signature == ("raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward",)
+    assert verdict.plain_ddp.startswith("could not be run: rank") and "SIGABRT" in verdict.plain_ddp, verdict.plain_ddp
