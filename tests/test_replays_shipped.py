@@ -1,5 +1,5 @@
 """The replay scripts of docs/known-divergences.md for the faults the exclusions hid
-(faults 12 and 13), as shipped: each runs on four gloo ranks and prints the fault."""
+(faults 12 to 14), as shipped: each runs on four gloo ranks and prints the fault."""
 
 import subprocess
 import sys
@@ -29,3 +29,10 @@ def test_loss_parallel_over_an_empty_vocab_shard_raises_on_that_rank_and_the_oth
     out = _run("loss_parallel_empty_vocab_shard.py")
     assert "vocab 8: " in out and "raised on rank 3 of 4; ranks 0, 1, 2 were still blocked" in out, out
     assert "index 0 is out of bounds for dimension 1 with size 0" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp1_alone_with_an_ignored_module_in_half_precision_aborts_a_rank():
+    out = _run("fsdp1_ignored_half_precision_abort.py")
+    assert "float32: trains" in out, out
+    assert "bfloat16: rank " in out and "was killed by SIGABRT while running" in out, out
