@@ -44,7 +44,7 @@ def test_json_counts_and_keys():
                                            "drew_fewer", "stopped_because", "covered", "known_only",
                                            "examples", "passed", "discarded", "seconds", "unshrunk",
                                            "shrink_seconds", "replays", "replay_seconds", "known_by_parts_shown",
-                                           "rank_output", "message", "findings", "report"]
+                                           "died_after_other_cases", "rank_output", "message", "findings", "report"]
     assert data["shrink_total"] == profiles.get("ci").shrink_total
     finding = data["properties"][1]["findings"][0]
     assert (finding["status"], finding["signature"]) == ("NEW", list(SIGNATURE))
