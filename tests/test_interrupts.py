@@ -13,12 +13,17 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import hypothesis.core
 import pytest
+from hypothesis.errors import FlakyStrategyDefinition
 
+from tpdp_verify import interrupts
 from tpdp_verify.files import write_whole
+from tpdp_verify.interrupts import Interrupted
 from tpdp_verify.properties import ALL
 from tpdp_verify.runner import profiles
-from tpdp_verify.runner.gate import searches
+from tpdp_verify.ranks.pool import RankPool
+from tpdp_verify.runner.gate import check_property, searches
 
 from helpers import descendants, exposed, listening, wait_gone
 
@@ -238,3 +243,46 @@ def test_a_signal_handled_where_python_ignores_exceptions_is_raised_again_elsewh
                          preexec_fn=_as_from_a_terminal)
     assert (out.returncode, out.stdout, out.stderr) == (0, "raised SIGINT\n", "")
     assert time.monotonic() - start < 8  # raised in the sleep, not after it: the signal woke it
+
+
+def test_an_interrupt_hypothesis_turns_into_its_own_error_is_the_interrupt(monkeypatch):
+    """Interrupted as its engine starts, hypothesis fails an assertion on its own state
+    (what a SIGINT right after a search's first line met in CI): the gate is interrupted
+    (130, outputs marked), never failing internally (3)."""
+    def digest(test):
+        if sys._getframe(1).f_code.co_name == "run_engine":  # its engine's key, not the seed's
+            raise Interrupted(signal.SIGINT)
+        return real(test)
+
+    real = hypothesis.core.function_digest
+
+    monkeypatch.setattr(hypothesis.core, "function_digest", digest)
+    prop = next(p for p in ALL if p.name == "paths_resolve")
+    with pytest.raises(Interrupted) as raised:
+        check_property(prop, RankPool(2), "torch", profiles.get("smoke"))
+    assert isinstance(raised.value.__cause__, AssertionError)  # hypothesis's own, the interrupt behind it
+
+
+def test_the_interrupt_behind_an_error_is_found_however_it_was_chained():
+    def chained(how: str) -> BaseException:
+        try:
+            try:
+                raise Interrupted(signal.SIGTERM)
+            except Interrupted as stopped:
+                if how == "cause":  # as the search carries what is not a finding out of hypothesis
+                    raise RuntimeError("carried") from stopped
+                if how == "group":
+                    raise BaseExceptionGroup("two", [ValueError(), stopped])
+                raise AssertionError  # while handling it
+        except BaseException as exc:
+            try:
+                raise FlakyStrategyDefinition("inconsistent") from exc  # hypothesis, recording the case
+            except FlakyStrategyDefinition as outer:
+                return outer
+
+    for how in ("cause", "group", "context"):
+        assert interrupts.within(chained(how)).name == "SIGTERM", how
+    try:
+        raise RuntimeError("the harness") from ValueError("no signal")
+    except RuntimeError as harness:
+        assert interrupts.within(harness) is None

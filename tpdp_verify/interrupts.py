@@ -36,6 +36,24 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum  # the shell's: 130 for SIGINT, 143 for SIGTERM
 
 
+def within(exc: BaseException) -> Interrupted | None:
+    """The Interrupted that ``exc`` was raised from or while handling, if any. A library may
+    turn the interrupt into an error of its own as it passes (hypothesis, interrupted as its
+    engine starts or as it records a case, fails a check on its own state): that is the
+    interrupt still, never the tool's failure."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        if isinstance(exc, Interrupted):
+            return exc
+        seen.add(id(exc))
+        pending += [exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())]
+    return None
+
+
 def _at_once(signum: int, frame) -> None:
     os.write(2, f"tpdp-verify: {signal.Signals(signum).name} again: stopped at once\n".encode())
     os._exit(128 + signum)

@@ -21,9 +21,10 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from hypothesis.reporting import with_reporter
 
-from tpdp_verify import signature
+from tpdp_verify import interrupts, signature
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
 from tpdp_verify.impls import select as impl_mod
+from tpdp_verify.interrupts import Interrupted
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.runner import coverage
@@ -114,16 +115,22 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
         findings = _findings(prop, pool, impl, (exc,), stats, reported)
     except BaseExceptionGroup as group:
         if not all(isinstance(e, Divergence) for e in group.exceptions):
-            raise InternalError(prop.name, group) from group
+            raise _internal(prop.name, group) from group
         findings = _findings(prop, pool, impl, group.exceptions, stats, [])
     except Exception as exc:
-        raise InternalError(prop.name, exc) from exc
+        raise _internal(prop.name, exc) from exc
     findings += [_finding(prop, pool, impl, text, sig, drawn) for (_, sig), (text, drawn) in stats.learned.items()]
     met = {f.signature for f in findings}  # what only known failures showed: one example each
     findings += [_finding(prop, pool, impl, "", sig, drawn, "known")
                  for sig, drawn in stats.known_seen.items() if sig not in met and not learn]
     status = "diverges" if any(f.status != "known" for f in findings) else "known" if findings else "pass"
     return _outcome(prop, pool, profile, status, start, stats, findings=findings)
+
+
+def _internal(name: str, exc: BaseException) -> BaseException:
+    """The harness's failure running ``name``; or the interrupt, where a signal caused it."""
+    stopped = interrupts.within(exc)
+    return InternalError(name, exc) if stopped is None else Interrupted(stopped.signum)
 
 
 def _outcome(prop: Property, pool: RankPool, profile: Profile, status: str, start: float, stats: Stats,
@@ -386,7 +393,7 @@ def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto",
             except Exception as exc:
                 found = finding(exc)
                 if found is None:
-                    raise InternalError(entry.property, exc) from exc
+                    raise _internal(entry.property, exc) from exc
                 return found.signature
             return ()
 
