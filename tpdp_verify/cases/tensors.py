@@ -31,6 +31,14 @@ class TensorCase:
         gen = torch.Generator().manual_seed(self.seed)
         return torch.randn(self.shape, generator=gen, dtype=torch.float64).to(self.dtype)
 
+    @property
+    def region(self) -> str:
+        """Where the case lies, as a baseline tells faults apart (runner.property.region): a
+        layout fault of uneven shards says nothing of even ones."""
+        if not any(p.is_shard() for p in self.placements):
+            return "replicated"
+        return "sharded unevenly" if shards_unevenly(self) else "sharded evenly"
+
 
 def shards_unevenly(case: TensorCase) -> bool:
     """Whether some sharded dim does not divide by its mesh dimension."""
@@ -57,3 +65,14 @@ class FSDPCase:
     @property
     def mesh_names(self) -> tuple[str, ...]:
         return ("dp", "tp") if len(self.mesh_shape) == 2 else ("replicate", "shard", "tp")
+
+    @property
+    def region(self) -> str:
+        """Where the case lies, as a baseline tells faults apart: the parameter's TP layout,
+        "plain", "tp replicate", "tp shard even" or "tp shard uneven" (over the tp dim)."""
+        p = self.tp_placement
+        if p is None:
+            return "plain"
+        if not p.is_shard():
+            return "tp replicate"
+        return "tp shard uneven" if self.shape[p.dim] % self.mesh_shape[-1] else "tp shard even"

@@ -56,10 +56,13 @@ Judge = Callable[[signature.Signature, dict], bool]  # (a failure's signature, i
 
 def region(drawn: dict | None) -> str:
     """Where a case lies, as a baseline tells faults apart: a training or checkpoint case's
-    DP entry point, model and mesh kind ("dp", "tp", "dp x tp"); "" for a case without them
-    (a tensor's, a module tree's), whose property is one region. A part seen under
-    ``replicate`` on the tied model says nothing of FSDP1 on the MLP."""
+    DP entry point, model and mesh kind ("dp", "tp", "dp x tp"); a case's own ``region``
+    where it has one (a tensor's layout); "" for the rest (a module tree), whose property is
+    one region. A part seen under ``replicate`` on the tied model says nothing of FSDP1 on
+    the MLP, nor overlapping metadata of uneven shards of even ones."""
     case = (drawn or {}).get("case")
+    if isinstance(getattr(case, "region", None), str):
+        return case.region
     entry, model, mesh = (getattr(case, a, None) for a in ("entry", "model", "mesh_shape"))
     if not (isinstance(entry, str) and isinstance(model, str) and mesh):
         return ""
