@@ -6,7 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
 
+from tpdp_verify.cases.tensors import FSDPCase, TensorCase
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
 from tpdp_verify.fixtures.zoo import Size
@@ -104,6 +107,24 @@ def test_a_part_is_known_only_in_the_region_it_was_seen_in(elsewhere):
     j = baseline.judge(run, listed, lambda e: ("value:gradient",))
     assert [k.signature for k in j.new] == [(GRADIENT,)] and j.blocks and run[0].status == "diverges"
     assert baseline.regional_parts(listed) == {"a": {HERE: {GRADIENT}}}
+
+
+@pytest.mark.parametrize("case, expected", [
+    (FSDPCase((1, 2), Shard(0), (4,), torch.float32, 0), "tp shard even on tp"),
+    (FSDPCase((1, 2), Shard(0), (3,), torch.float32, 0), "tp shard uneven on tp"),
+    (FSDPCase((2, 1, 2), Shard(0), (4,), torch.float32, 0), "tp shard even on dp x tp"),
+    (FSDPCase((1, 2, 1), Replicate(), (3,), torch.float32, 0), "tp replicate on dp"),
+    (FSDPCase((2, 2), None, (3,), torch.float32, 0), "plain on dp x tp"),
+    (TensorCase((2, 2), (Replicate(), Shard(1)), (3, 4), torch.float32, True, 0), "sharded evenly"),
+    (TensorCase((2, 2), (Shard(1), Shard(1)), (3, 3), torch.float32, True, 0), "sharded unevenly"),
+    (TensorCase((4,), (Replicate(),), (3,), torch.float32, True, 0), "replicated"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_tensor_case_lies_in_its_layout(case, expected):
+    """Overlapping metadata on uneven shards (torch 2.13's fault 6) says nothing of even
+    ones, nor of a mesh whose FSDP group is one rank: ChunkBoxOffByOne is NEW there."""
+    from tpdp_verify.runner.property import region
+
+    assert region({"case": case}) == expected
 
 
 def test_nothing_new_passes():

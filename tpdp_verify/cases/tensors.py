@@ -6,10 +6,13 @@ example replays by pasting it (``from torch.distributed.tensor import Shard, Rep
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from tpdp_verify.cases import mesh_kind
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
@@ -68,11 +71,11 @@ class FSDPCase:
 
     @property
     def region(self) -> str:
-        """Where the case lies, as a baseline tells faults apart: the parameter's TP layout,
-        "plain", "tp replicate", "tp shard even" or "tp shard uneven" (over the tp dim)."""
-        p = self.tp_placement
-        if p is None:
-            return "plain"
-        if not p.is_shard():
-            return "tp replicate"
-        return "tp shard uneven" if self.shape[p.dim] % self.mesh_shape[-1] else "tp shard even"
+        """Where the case lies, as a baseline tells faults apart: the parameter's TP layout
+        ("plain", "tp replicate", "tp shard even" or "tp shard uneven") on the mesh's kind
+        (tpdp_verify.cases.mesh_kind, FSDP's ranks as dp): chunk_tensor fails differently
+        where FSDP's group is one rank."""
+        p, tp = self.tp_placement, self.mesh_shape[-1]
+        layout = ("plain" if p is None else "tp replicate" if not p.is_shard()
+                  else "tp shard uneven" if self.shape[p.dim] % tp else "tp shard even")
+        return f"{layout} on {mesh_kind((math.prod(self.mesh_shape[:-1]), tp))}"

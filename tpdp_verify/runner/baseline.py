@@ -130,7 +130,7 @@ def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: 
     known faults, and where each is explained. Scoped as a region is (the user's model is
     none of the zoo's): a fault of another entry point or mesh kind would otherwise hide a
     departure of the user's."""
-    from tpdp_verify.runner.property import mesh_kind
+    from tpdp_verify.cases import mesh_kind
 
     parts: dict[str, Known] = {}
     for k in sorted(entries, key=lambda k: (len(k.signature), k.world_size)):  # the plainest entry explains

@@ -21,6 +21,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis.statistics import collector
 
 from tpdp_verify import signature
+from tpdp_verify.cases import mesh_kind
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.judging.divergence import Divergence, divergence
 from tpdp_verify.runner.profiles import Profile
@@ -67,12 +68,6 @@ def region(drawn: dict | None) -> str:
     if not (isinstance(entry, str) and isinstance(model, str) and mesh):
         return ""
     return f"{entry} {model} {mesh_kind(mesh)}"
-
-
-def mesh_kind(mesh: tuple[int, ...]) -> str:
-    """Which of a (dp, tp) mesh's dimensions are real: "dp x tp", "tp", "dp" or "one rank"."""
-    dp, tp = mesh[0], mesh[-1]
-    return "dp x tp" if dp > 1 and tp > 1 else "tp" if tp > 1 else "dp" if dp > 1 else "one rank"
 
 
 class KnownParts:
