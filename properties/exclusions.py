@@ -244,12 +244,25 @@ TREES_WITHOUT_PARAMETERS = Exclusion(
     "docs/properties.md#paths_resolve",
     _no_parameters)
 
+def smooths_under_loss_parallel(loss) -> bool:
+    """A loss with cross entropy's label smoothing, under loss_parallel()."""
+    return loss is not None and loss.parallel and loss.label_smoothing > 0
+
+
+LABEL_SMOOTHING_UNDER_LOSS_PARALLEL = Exclusion(
+    "label_smoothing_under_loss_parallel", ("losses_train_like_one_device",),
+    "cross entropy's label_smoothing under loss_parallel(): torch's docs say it is not supported "
+    "(loss_parallel's docstring: \"Currently not supported\"), and it raises mixing a plain tensor "
+    "with the sharded logits; drawn without loss_parallel",
+    "docs/properties.md#losses_train_like_one_device",
+    lambda case: smooths_under_loss_parallel(case.loss))
+
 EXCLUSIONS = (
     FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
     CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE,
     TREES_WITHOUT_PARAMETERS, HALF_AGAINST_ONE_DEVICE,
-    HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP,
+    HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP, LABEL_SMOOTHING_UNDER_LOSS_PARALLEL,
 )
 
 # What checkpoint_cases keeps: training works, so there is something to checkpoint.

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tpdp_verify.cases.training import BETWEEN, BUILT
 from tpdp_verify.properties import ALL, EXCLUSIONS
+from tpdp_verify.properties.losses import CROSS_ENTROPY, SMOOTHING, loss_cases
 from tpdp_verify.properties.modules import module_trees
 from tpdp_verify.properties.training import train_cases
 from tpdp_verify.runner.suite import load as load_suite
@@ -54,6 +55,9 @@ UNFILTERED = {
     "direct_call_under_fsdp": lambda ws: _redraw(
         train_cases(ws, entries=("fsdp1", "fully_shard", "replicate_fsdp")), "habits",
         lambda c: st.sampled_from(BETWEEN).map(lambda b: replace(c.habits, between=b))),
+    "label_smoothing_under_loss_parallel": lambda ws: _redraw(
+        loss_cases(ws), "loss", lambda c: st.sampled_from(SMOOTHING).map(
+            lambda s: replace(c.loss, label_smoothing=s if c.loss.kind in CROSS_ENTROPY else 0.0))),
 }
 
 IDS = [x.name for x in EXCLUSIONS]
@@ -127,7 +131,8 @@ def test_summary_and_records():
 # simplest its unfiltered space has) with TP and without: "own", the same entry point
 # departs without TP too (its contract, not TP's); "training fails", TP+DP's training
 # raises where the entry point alone trains, so a checkpoint has nothing to hold and the
-# training properties search it; "rounds", the option alone departs from one device in
+# training properties search it; "refused", torch raises under loss_parallel() where the
+# same loss over replicated logits trains (what its docs say it does not support); "rounds", the option alone departs from one device in
 # full precision beyond the float32 bound, so that run earns no bound for it. The other
 # exclusions (SCOPE) say what tpdp-verify leaves to another property; their tests below
 # show that the case left out has nothing for the property to check, or that the other
@@ -141,6 +146,7 @@ CLAIMS = {
     "fsdp1_checkpoint_one_dp_rank": "training fails",
     "fsdp1_checkpoint_accumulate": "training fails",
     "half_precision_against_one_device": "rounds",
+    "label_smoothing_under_loss_parallel": "refused",
 }
 BY_NAME = {x.name: x for x in EXCLUSIONS}
 
@@ -171,7 +177,11 @@ def test_the_reason_holds_on_a_case_it_leaves_out(tpdp_pools, name):
         return
     verdict = verdict_one_device(pool, "torch", case)
     assert not verdict.ok, f"{case!r} trains exactly with TP: the exclusion hides nothing, draw it"
-    if claim == "own":
+    if claim == "refused":
+        outside = verdict_one_device(pool, "torch", replace(case, loss=replace(case.loss, parallel=False)))
+        assert [c.name for c in verdict.checks if not c.ok and c.name == "trains without an exception"], verdict.report()
+        assert all(c.ok for c in outside.checks if c.name == "trains without an exception"), outside.report()
+    elif claim == "own":
         assert verdict.plain_ddp.startswith("departs too"), (case, verdict.plain_ddp)
     else:
         assert any(not c.ok and c.name == "trains without an exception" for c in verdict.checks), verdict.report()

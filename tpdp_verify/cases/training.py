@@ -149,6 +149,31 @@ class Habits:
     ignored: str = ""
 
 
+# Losses over a vocabulary head's logits, as users write them (tpdp_verify.fixtures.losses):
+# cross entropy, and losses composed of log_softmax / softmax / logsumexp of the logits;
+# torch computes each over vocab-sharded logits with code of its own under loss_parallel().
+LOSS_KINDS = (
+    "cross_entropy",    # F.cross_entropy with the case's options
+    "target_logprobs",  # each target's log-probability (log_softmax, nll_loss) weighted by a token's weight
+    "teacher_kl",       # KL divergence to a fixed teacher distribution (log_softmax, kl_div)
+    "z_loss",           # cross entropy plus a penalty on the log-partition (logsumexp) squared
+)
+REDUCTIONS = ("mean", "sum", "none")  # over a sample's tokens; "none": the per-token losses, then their mean
+LOSS_MODELS = ("tied", "llama_lm")  # the zoo's models with a vocabulary head
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The loss a case trains with, in place of its model's own; its repr is constructor code."""
+
+    kind: str = "cross_entropy"     # one of LOSS_KINDS
+    reduction: str = "mean"         # one of REDUCTIONS: torch's own reduction over a sample's tokens
+    ignore_index: bool = False      # some targets are padding (-100), left out of the loss
+    label_smoothing: float = 0.0    # cross entropy's
+    class_weights: bool = False     # cross entropy's weight: a fixed weight per vocabulary entry
+    parallel: bool = True           # under loss_parallel(): the logits a vocab-sharded DTensor
+
+
 BETWEEN = ("", "eval", "no_grad", "submodule")
 IGNORED = ("frozen", "trained")
 
@@ -183,6 +208,7 @@ class TrainCase:
     seed: int = 0
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
     wiring: str = ""                    # "" (as documented) or a key of MISWIRINGS
+    loss: Loss | None = field(default=None, repr=False)  # None: the model's own (in repr where set)
     # A user's model, plan, data and loss (tpdp_verify.plan.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)
@@ -192,7 +218,13 @@ class TrainCase:
         prints every field of a dataclass otherwise)."""
         from hypothesis.vendor.pretty import pprint_fields
 
-        pprint_fields(self, p, cycle, [f.name for f in fields(self) if f.repr])
+        pprint_fields(self, p, cycle, [f.name for f in fields(self) if f.repr] + (["loss"] if self.loss else []))
+
+    def __repr__(self) -> str:
+        """Constructor code; ``loss`` only where set, so that a case without one reads as
+        it always has (the shipped baseline's and cover cases' reprs)."""
+        shown = [f.name for f in fields(self) if f.repr] + (["loss"] if self.loss else [])
+        return f"TrainCase({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
 
     @property
     def torch_dtype(self):

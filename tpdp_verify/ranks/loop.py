@@ -75,7 +75,15 @@ class Run:
 
 
 def fixture(case: TrainCase) -> Fixture:
-    return case.user.fixture() if case.user is not None else ZOO[case.model]
+    """The case's model, plan, data and loss: a zoo model's, or the user's; with the
+    case's loss in place of its own where it draws one (tpdp_verify.fixtures.losses)."""
+    if case.user is not None:
+        return case.user.fixture()
+    if case.loss is not None:
+        from tpdp_verify.fixtures import losses
+
+        return losses.applied(ZOO[case.model], case.loss)
+    return ZOO[case.model]
 
 
 def build(case: TrainCase, dtype: torch.dtype | None = None) -> nn.Module:

@@ -1,0 +1,55 @@
+"""Losses over a vocabulary head: TP+DP trains like one device with the loss a user writes.
+
+A drawn ``Loss`` (cross entropy with its options, or a loss composed of ``log_softmax``,
+``softmax`` and ``logsumexp`` of the logits), over vocab-sharded DTensor logits under
+``loss_parallel()`` or over replicated plain ones, replaces the model's own loss in a
+sound training case of a model with a vocabulary head (``LOSS_MODELS``): torch computes
+each of these over sharded logits with code of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS, Loss, TrainCase
+from tpdp_verify.oracles.verdicts import verdict_one_device
+from tpdp_verify.properties.exclusions import SOUND_TRAINING, smooths_under_loss_parallel
+from tpdp_verify.properties.training import every_model, train_cases
+from tpdp_verify.runner.property import tpdp_property, worth_explaining
+
+SMOOTHING = (0.0, 0.1)
+CROSS_ENTROPY = ("cross_entropy", "z_loss")  # the kinds that take cross entropy's options
+
+
+@st.composite
+def losses(draw) -> Loss:
+    """A loss as users write them; cross entropy's options only where the kind takes them,
+    label smoothing not under loss_parallel (the exclusion label_smoothing_under_loss_parallel)."""
+    kind = draw(st.sampled_from(LOSS_KINDS))
+    parallel = draw(st.booleans())
+    options = kind in CROSS_ENTROPY
+    loss = Loss(kind=kind, reduction=draw(st.sampled_from(REDUCTIONS)), ignore_index=draw(st.booleans()),
+                label_smoothing=draw(st.sampled_from(SMOOTHING)) if options else 0.0,
+                class_weights=options and draw(st.booleans()), parallel=parallel)
+    return dataclasses.replace(loss, label_smoothing=0.0) if smooths_under_loss_parallel(loss) else loss
+
+
+def loss_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
+    """Sound training cases of the models with a vocabulary head, each with a drawn loss."""
+    cases = train_cases(world_size, models=LOSS_MODELS, **SOUND_TRAINING)
+    return st.builds(lambda case, loss: dataclasses.replace(case, loss=loss), cases, losses())
+
+
+def every_loss(strategies: dict) -> list[dict]:
+    """Each model's simplest case with every kind of loss, under loss_parallel and not: 40
+    drawn cases can miss a kind on one side."""
+    return [{"case": dataclasses.replace(covered["case"], loss=Loss(kind=kind, parallel=parallel))}
+            for covered in every_model(strategies) for kind in LOSS_KINDS for parallel in (True, False)]
+
+
+@tpdp_property(min_world_size=2, cover=every_loss, case=loss_cases)
+def losses_train_like_one_device(pool, impl: str, case: TrainCase) -> None:
+    """TP+DP with a drawn loss over the vocabulary head (cross entropy's options, log_softmax/softmax/logsumexp compositions; under loss_parallel or not) matches one device."""
+    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
