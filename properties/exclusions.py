@@ -257,12 +257,23 @@ LABEL_SMOOTHING_UNDER_LOSS_PARALLEL = Exclusion(
     "docs/properties.md#losses_train_like_one_device",
     lambda case: smooths_under_loss_parallel(case.loss))
 
+LOSS_OPTIONS = Exclusion(
+    "losses_with_options_and_habits", ("losses_train_like_one_device",),
+    "a drawn loss with the entry points' newer options or training habits set (comm hooks, "
+    "bucket lists, init_sync, FSDP2's resharding, ignored modules, eval forwards between steps): "
+    "what they change is training's, which the training properties search with each model's "
+    "own loss; the loss's path through torch is the same with them, and with them its regions "
+    "would hold every entry point's faults",
+    "docs/properties.md#losses_train_like_one_device",
+    extended)
+
 EXCLUSIONS = (
     FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
     CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE,
     TREES_WITHOUT_PARAMETERS, HALF_AGAINST_ONE_DEVICE,
     HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP, LABEL_SMOOTHING_UNDER_LOSS_PARALLEL,
+    LOSS_OPTIONS,
 )
 
 # What checkpoint_cases keeps: training works, so there is something to checkpoint.

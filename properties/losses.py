@@ -37,8 +37,10 @@ def losses(draw) -> Loss:
 
 
 def loss_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
-    """Sound training cases of the models with a vocabulary head, each with a drawn loss."""
-    cases = train_cases(world_size, models=LOSS_MODELS, **SOUND_TRAINING)
+    """Sound training cases of the models with a vocabulary head, each with a drawn loss;
+    the entry points' newer options and the habits at their defaults (the exclusion
+    losses_with_options_and_habits)."""
+    cases = train_cases(world_size, models=LOSS_MODELS, options=False, **SOUND_TRAINING)
     return st.builds(lambda case, loss: dataclasses.replace(case, loss=loss), cases, losses())
 
 

@@ -31,6 +31,7 @@ from tpdp_verify.cases.training import (
     DDPOptions,
     FSDP2Options,
     Habits,
+    Loss,
     Size,
     TrainCase,
     ddp_keywords,
@@ -240,7 +241,7 @@ def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool 
         if label in found:
             _simplest_cases[key] = None if found[label] is None else eval(  # noqa: S307: the file's own reprs
                 found[label], {"TrainCase": TrainCase, "Size": Size, "DDPOptions": DDPOptions,
-                               "FSDP2Options": FSDP2Options, "Habits": Habits})
+                               "FSDP2Options": FSDP2Options, "Habits": Habits, "Loss": Loss})
         else:
             try:
                 with without_local_constants():  # the same cases whatever the process imported

@@ -133,3 +133,28 @@ def test_the_ci_draw_composes_tp_and_dp(prop, world_size):
         assert sum(c.dtype == "float32" for c in composed) >= len(cases) / 5, Counter(c.dtype for c in composed)
     else:
         assert sum(c.mesh_shape[1] > 1 for c in cases) >= len(cases) / 2, Counter(c.mesh_shape for c in cases)
+
+
+def test_the_ci_profile_draws_every_loss_on_both_sides_of_loss_parallel():
+    """losses_train_like_one_device, by the gate's own draw: every kind under loss_parallel
+    and over replicated logits, every reduction, every cross-entropy option, both models
+    with a head, every sound entry point, TP and DP composed."""
+    from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS
+    from tpdp_verify.properties.exclusions import SOUND_TRAINING
+    from tpdp_verify.properties.losses import losses_train_like_one_device as prop
+
+    cases = [c for ws in CI.world_sizes for c in drawn(prop, ws)]
+    found = Counter()
+    for c in cases:
+        loss = c.loss
+        found.update([f"kind={loss.kind} parallel={loss.parallel}", f"reduction={loss.reduction}",
+                      f"model={c.model}", f"entry={c.entry}", f"composed={min(c.mesh_shape) > 1}",
+                      f"ignore_index={loss.ignore_index}", f"class_weights={loss.class_weights}",
+                      f"label_smoothing={loss.label_smoothing}"])
+    expected = ([f"kind={k} parallel={p}" for k in LOSS_KINDS for p in (True, False)]
+                + [f"reduction={r}" for r in REDUCTIONS] + [f"model={m}" for m in LOSS_MODELS]
+                + [f"entry={e}" for e in SOUND_TRAINING["entries"]] + ["composed=True"]
+                + [f"{o}={v}" for o in ("ignore_index", "class_weights") for v in (True, False)]
+                + ["label_smoothing=0.1"])
+    assert all(found[v] for v in expected), [v for v in expected if not found[v]]
+    assert len(cases) >= 2 * CI.max_examples

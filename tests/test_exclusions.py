@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tpdp_verify.cases.training import BETWEEN, BUILT
 from tpdp_verify.properties import ALL, EXCLUSIONS
-from tpdp_verify.properties.losses import CROSS_ENTROPY, SMOOTHING, loss_cases
+from tpdp_verify.properties.losses import CROSS_ENTROPY, SMOOTHING, loss_cases, losses
 from tpdp_verify.properties.modules import module_trees
 from tpdp_verify.properties.training import train_cases
 from tpdp_verify.runner.suite import load as load_suite
@@ -55,6 +55,8 @@ UNFILTERED = {
     "direct_call_under_fsdp": lambda ws: _redraw(
         train_cases(ws, entries=("fsdp1", "fully_shard", "replicate_fsdp")), "habits",
         lambda c: st.sampled_from(BETWEEN).map(lambda b: replace(c.habits, between=b))),
+    "losses_with_options_and_habits": lambda ws: st.builds(lambda c, loss: replace(c, loss=loss), train_cases(ws),
+                                                           losses()),
     "label_smoothing_under_loss_parallel": lambda ws: _redraw(
         loss_cases(ws), "loss", lambda c: st.sampled_from(SMOOTHING).map(
             lambda s: replace(c.loss, label_smoothing=s if c.loss.kind in CROSS_ENTROPY else 0.0))),
@@ -188,7 +190,8 @@ def test_the_reason_holds_on_a_case_it_leaves_out(tpdp_pools, name):
         assert verdict.plain_ddp.startswith("trains like one device"), (case, verdict.plain_ddp)
 
 
-SCOPE = ("trees_without_parameters", "checkpoint_options_and_habits", "half_precision_outside_the_sound_space")
+SCOPE = ("trees_without_parameters", "checkpoint_options_and_habits", "half_precision_outside_the_sound_space",
+         "losses_with_options_and_habits")
 
 
 def test_every_exclusion_shows_its_reason():
@@ -240,3 +243,17 @@ def test_half_precision_beyond_the_sound_space_is_no_property_s_to_judge_yet():
     drawn = [c for ws in WORLD_SIZES for c in _drawn("trains_like_plain_ddp", ws)]
     assert drawn and all(sound(c) for c in drawn)
     assert CLAIMS["half_precision_against_one_device"] == "rounds"
+
+
+def test_the_options_and_habits_a_drawn_loss_leaves_out_are_training_s_to_search():
+    """losses_with_options_and_habits: the training properties draw every one of them (with
+    each model's own loss, cross entropy under loss_parallel on llama_lm among them), and
+    the loss property draws the rest of a training case: entry points, meshes, optimizers,
+    dtypes, steps and microbatches."""
+    x = BY_NAME["losses_with_options_and_habits"]
+    training = [c for ws in WORLD_SIZES for name in ("trains_like_one_device", "entry_points_train_like_one_device")
+                for c in _drawn(name, ws)]
+    assert any(x.test(c) and c.model == "llama_lm" for c in training)
+    drawn = [c for ws in WORLD_SIZES for c in _drawn("losses_train_like_one_device", ws)]
+    assert {c.entry for c in drawn} >= {"ddp_mesh", "fully_shard"} and {c.accumulate for c in drawn} == {1, 2}
+    assert {c.dtype for c in drawn} == {"float32", "bfloat16", "float16"} and any(min(c.mesh_shape) > 1 for c in drawn)

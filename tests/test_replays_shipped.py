@@ -1,5 +1,5 @@
-"""The replay scripts of docs/known-divergences.md for the faults the exclusions hid
-(faults 12 to 14), as shipped: each runs on four gloo ranks and prints the fault."""
+"""The replay scripts of docs/known-divergences.md for the faults the exclusions hid and the
+drawn losses found (faults 12 to 15), as shipped: each runs on gloo ranks and prints the fault."""
 
 import subprocess
 import sys
@@ -36,3 +36,10 @@ def test_fsdp1_alone_with_an_ignored_module_in_half_precision_aborts_a_rank():
     out = _run("fsdp1_ignored_half_precision_abort.py")
     assert "float32: trains" in out, out
     assert "bfloat16: rank " in out and "was killed by SIGABRT while running" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_log_softmax_under_loss_parallel_backpropagates_as_if_nll_loss_came_next():
+    out = dict(line.split(": the logits' gradient departs by ") for line in _run("loss_parallel_log_softmax_grad.py").splitlines()
+               if "departs by" in line)
+    assert float(out["nll_loss"]) < 1e-12 and float(out["kl_div"]) > 0.1, out

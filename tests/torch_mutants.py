@@ -17,6 +17,7 @@ divergences (docs/known-divergences.md).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 
@@ -367,3 +368,34 @@ class ChunkBoxOffByOne:
         method = _fsdp.DTensorExtensions.chunk_tensor
         chunk = types.FunctionType(method.__code__, mutated, method.__name__, method.__defaults__, method.__closure__)
         self.chunk_tensor = types.MethodType(chunk, ext)
+
+
+# -- (d) beyond the transform: what a TP+DP run calls around it -------------------------
+
+
+class ParallelCrossEntropyGradScales(TorchReference):
+    """loss_parallel's ``nll_loss`` backward returns the gradient scaled by 1 + 1e-3: the
+    sharded cross entropy's backward, as a regression in its handler would change it
+    (torch/distributed/tensor/parallel/loss.py); the transform is torch's. Installed for
+    the run only (``patched``), so the pool's ranks are torch's again after it."""
+
+    caught_by = frozenset({"losses_train_like_one_device"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    @contextlib.contextmanager
+    def patched():
+        from torch.distributed.tensor.parallel import loss
+
+        nll_backward = torch.ops.aten.nll_loss_backward.default
+        handler = loss.customized_loss_ops[nll_backward]
+
+        def scaled(op_call, args, kwargs):
+            return handler(op_call, args, kwargs) * (1 + 1e-3)
+
+        saved = loss.customized_loss_ops
+        loss.customized_loss_ops = {**saved, nll_backward: scaled}
+        try:
+            yield
+        finally:
+            loss.customized_loss_ops = saved

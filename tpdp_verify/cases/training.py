@@ -244,6 +244,17 @@ class TrainCase:
         return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
     @property
+    def region(self) -> str | None:
+        """Where a case with a drawn loss lies, as a baseline tells faults apart: the loss's
+        path through torch, its kind under loss_parallel or not (eight regions, which a
+        few draws learn whole); entry points, models and meshes are the other training
+        properties' regions. None for a case without one (tpdp_verify.runner.property.region:
+        entry point, model, mesh kind)."""
+        if self.loss is None:
+            return None
+        return f"{self.loss.kind}{' under loss_parallel' if self.loss.parallel else ''}"
+
+    @property
     def dp(self) -> int:
         return self.mesh_shape[0]
 

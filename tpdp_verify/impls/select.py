@@ -82,7 +82,9 @@ def _at_site(module_name: str, f: str, implementation: SimpleNamespace):
 
 @contextlib.contextmanager
 def installed(implementation: SimpleNamespace):
-    """Make torch's DP entry points call ``implementation``'s transform, inside a rank."""
+    """Make torch's DP entry points call ``implementation``'s transform, inside a rank; and
+    enter its ``patched()``, where it has one (a patched torch beyond the transform: what
+    the run around the transform calls, such as loss_parallel's handlers), for the run."""
     if implementation.name == "torch":
         yield
         return
@@ -94,7 +96,8 @@ def installed(implementation: SimpleNamespace):
             for f in names:
                 saved.append((module, f"_{f}", getattr(module, f"_{f}")))
                 setattr(module, f"_{f}", _at_site(module_name, f, implementation))
-        yield
+        with getattr(implementation, "patched", contextlib.nullcontext)():
+            yield
     finally:
         for module, attr, value in reversed(saved):
             setattr(module, attr, value)
@@ -168,7 +171,10 @@ def _load(name: str, what: str, functions: tuple[str, ...], reference: str, refe
             f"{what} {name!r} lacks {', '.join(missing)}; it must define all of "
             f"{', '.join(functions)} (see {reference_class.rpartition('.')[0].replace('.', '/')}.py)"
         )
-    return SimpleNamespace(name=name, **{f: getattr(source, f) for f in functions})
+    loaded = SimpleNamespace(name=name, **{f: getattr(source, f) for f in functions})
+    if callable(getattr(source, "patched", None)):
+        loaded.patched = source.patched
+    return loaded
 
 
 def _with(name: str, functions: tuple[str, ...], source, fallback) -> SimpleNamespace:

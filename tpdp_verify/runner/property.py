@@ -58,9 +58,10 @@ Judge = Callable[[signature.Signature, dict], bool]  # (a failure's signature, i
 def region(drawn: dict | None) -> str:
     """Where a case lies, as a baseline tells faults apart: a training or checkpoint case's
     DP entry point, model and mesh kind ("dp", "tp", "dp x tp"); a case's own ``region``
-    where it has one (a tensor's layout); "" for the rest (a module tree), whose property is
-    one region. A part seen under ``replicate`` on the tied model says nothing of FSDP1 on
-    the MLP, nor overlapping metadata of uneven shards of even ones."""
+    where it has one (a tensor's layout; a drawn loss's path through torch); "" for the
+    rest (a module tree), whose property is one region. A part seen under ``replicate`` on
+    the tied model says nothing of FSDP1 on the MLP, nor overlapping metadata of uneven
+    shards of even ones, nor a KL loss's gradients under loss_parallel of cross entropy's."""
     case = (drawn or {}).get("case")
     if isinstance(getattr(case, "region", None), str):
         return case.region
