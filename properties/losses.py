@@ -1,7 +1,7 @@
 """Losses over a vocabulary head: TP+DP trains like one device with the loss a user writes.
 
-A drawn ``Loss`` (cross entropy with its options, or a loss composed of ``log_softmax``,
-``softmax`` and ``logsumexp`` of the logits), over vocab-sharded DTensor logits under
+A drawn ``Loss`` (cross entropy with its options, or a loss composed of ``log_softmax`` or
+``logsumexp`` of the logits, against a teacher's softmax among them), over vocab-sharded DTensor logits under
 ``loss_parallel()`` or over replicated plain ones, replaces the model's own loss in a
 sound training case of a model with a vocabulary head (``LOSS_MODELS``): torch computes
 each of these over sharded logits with code of its own.

@@ -150,7 +150,7 @@ class Habits:
 
 
 # Losses over a vocabulary head's logits, as users write them (tpdp_verify.fixtures.losses):
-# cross entropy, and losses composed of log_softmax / softmax / logsumexp of the logits;
+# cross entropy, and losses composed of log_softmax or logsumexp of the logits;
 # torch computes each over vocab-sharded logits with code of its own under loss_parallel().
 LOSS_KINDS = (
     "cross_entropy",    # F.cross_entropy with the case's options
