@@ -246,9 +246,8 @@ class TrainCase:
     @property
     def region(self) -> str | None:
         """Where a case with a drawn loss lies, as a baseline tells faults apart: the loss's
-        path through torch, its kind under loss_parallel or not (eight regions, which a
-        few draws learn whole); entry points, models and meshes are the other training
-        properties' regions. None for a case without one (tpdp_verify.runner.property.region:
+        path through torch, its kind under loss_parallel or not (eight regions); entry
+        points, models and meshes are the other training properties' regions. None for a case without one (tpdp_verify.runner.property.region:
         entry point, model, mesh kind)."""
         if self.loss is None:
             return None
