@@ -21,6 +21,7 @@ from hypothesis.errors import NoSuchExample
 from tpdp_verify.cases.training import (
     BETWEEN,
     BUILT,
+    CLIP_BY,
     DDP_ENTRIES,
     ENTRIES,
     FSDP2_ENTRIES,
@@ -134,10 +135,19 @@ def habits(draw, model: str, entry: str, sound: bool = False) -> Habits:
     to spare (tpdp_verify.ranks.loop.ignorable). ``sound``: only habits ``sound_habits``
     keeps, drawn directly (a filter would reject most draws)."""
     between = tuple(b for b in BETWEEN if b != DIRECT or (entry in DDP_ENTRIES and not sound))
-    return Habits(clip=None if sound else draw(st.sampled_from(CLIPS)),
-                  checkpoint=draw(st.booleans()) and not (sound and entry in DDP_ENTRIES),
+    clip = None if sound else draw(st.sampled_from(CLIPS))
+    return Habits(clip=clip, checkpoint=draw(st.booleans()) and not (sound and entry in DDP_ENTRIES),
                   between=draw(_one_of(between)), set_to_none=draw(st.booleans()),
-                  ignored=draw(_ignored(model)))
+                  ignored=draw(_ignored(model)),
+                  clip_by=CLIP_BY[0] if clip is None else draw(_one_of(clip_ways())))
+
+
+@functools.cache
+def clip_ways() -> tuple[str, ...]:
+    """The ways to clip this torch has (get_total_norm since 2.6)."""
+    import torch
+
+    return tuple(w for w in CLIP_BY if w == CLIP_BY[0] or hasattr(torch.nn.utils, w))
 
 
 # A case draws from strategies built once per argument: hypothesis validates each new
@@ -282,6 +292,14 @@ def every_model(strategies: dict) -> list[dict]:
     return [{"case": c} for c in found if c is not None]
 
 
+def every_clip(strategies: dict) -> list[dict]:
+    """Every model's simplest case, then MLP's through DDP and each FSDP2 entry point
+    clipping each way this torch has: the drawn cases clip through FSDP2 a few times."""
+    through = every_entry(strategies, ("ddp_mesh", *FSDP2_ENTRIES))
+    return every_model(strategies) + [{"case": dataclasses.replace(c, habits=Habits(clip=CLIPS[1], clip_by=way))}
+                                      for c in through for way in clip_ways()]
+
+
 def sound_cases(world_size: int, half: bool = False) -> st.SearchStrategy[TrainCase]:
     return train_cases(world_size, half=half, **SOUND_TRAINING)
 
@@ -300,7 +318,7 @@ def trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
     verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=2, cover=every_model, case=unsound_cases)
+@tpdp_property(min_world_size=2, cover=every_clip, case=unsound_cases)
 def entry_points_train_like_one_device(pool, impl: str, case: TrainCase) -> None:
     """The same, where torch's entry points depart whatever the transform: replicate, FSDP1, early optimizers, static graphs, the habits DDP breaks."""
     verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()

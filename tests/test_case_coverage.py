@@ -28,6 +28,7 @@ from tpdp_verify.properties.checkpoint import (
 from tpdp_verify.properties.training import (
     BUCKET_CAP_LISTS,
     CLIPS,
+    clip_ways,
     entry_points_train_like_one_device,
     trains_like_one_device,
     trains_like_plain_ddp,
@@ -62,6 +63,8 @@ def counts() -> Counter:
                 out.update([f"entry={c.entry}", f"habits.clip={habits.clip}", f"habits.between={habits.between}",
                             f"habits.set_to_none={habits.set_to_none}", f"habits.ignored={habits.ignored}",
                             f"habits.checkpoint={habits.checkpoint} under {'ddp' if c.entry in DDP else c.entry}"])
+                if habits.clip is not None and c.entry != "fsdp1":  # FSDP1 clips by its own method
+                    out.update([f"habits.clip_by={habits.clip_by} under {'ddp' if c.entry in DDP else c.entry}"])
                 if c.entry in DDP:
                     out.update([f"ddp.init_sync={ddp.init_sync}", f"ddp.comm_hook={ddp.comm_hook}",
                                 f"ddp.skip_all_reduce_unused_params={ddp.skip_all_reduce_unused_params}",
@@ -87,6 +90,7 @@ EXPECTED = (
     + [f"fsdp.mixed_precision={v}" for v in (None, *HALF)]
     + [f"fsdp.reshard_after_forward={v}" for v in (True, False)]
     + [f"habits.clip={v}" for v in CLIPS]
+    + [f"habits.clip_by={v} under {e}" for v in clip_ways() for e in ("ddp", *FSDP2)]
     + [f"habits.between={v}" for v in BETWEEN]
     + [f"habits.set_to_none={v}" for v in (True, False)]
     + [f"habits.ignored={v}" for v in ("", *IGNORED)]

@@ -399,3 +399,31 @@ class ParallelCrossEntropyGradScales(TorchReference):
             yield
         finally:
             loss.customized_loss_ops = saved
+
+
+class NormLeftPerRank(TorchReference):
+    """The total gradient norm over DTensor gradients computed from each rank's local
+    shards, never reduced: what ``clip_grad_norm_`` and ``get_total_norm``
+    (torch/nn/utils/clip_grad.py) would return if a regression dropped DTensor's dispatch
+    of the norm. Each rank logs and clips by its own norm."""
+
+    caught_by = frozenset({"entry_points_train_like_one_device"})
+    departs_as = frozenset({"GradientNormBeyondItsBound"})
+
+    @staticmethod
+    @contextlib.contextmanager
+    def patched():
+        from torch.nn.utils import clip_grad
+
+        total_norm = clip_grad._get_total_norm
+
+        def per_rank(tensors, *args, **kwargs):
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            return total_norm([t.to_local() if isinstance(t, DTensor) else t for t in tensors], *args, **kwargs)
+
+        saved = clip_grad._get_total_norm, torch.nn.utils.get_total_norm
+        clip_grad._get_total_norm = torch.nn.utils.get_total_norm = per_rank
+        try:
+            yield
+        finally:
+            clip_grad._get_total_norm, torch.nn.utils.get_total_norm = saved

@@ -54,6 +54,18 @@ COMM_HOOKS = ("allreduce", "fp16_compress", "bf16_compress")
 HALF = ("bfloat16", "float16")  # the compute dtypes a mixed-precision option draws
 
 
+def _shown(obj, late: tuple[str, ...], default) -> list[str]:
+    return [f.name for f in fields(obj) if f.repr] + [n for n in late if getattr(obj, n) != default]
+
+
+def _repr(obj, late: tuple[str, ...], default) -> str:
+    """Constructor code, with the ``late`` fields (added after cases were recorded) only
+    where not ``default``: a case without them reads as it always has (the shipped
+    baseline's and cover cases' reprs)."""
+    shown = _shown(obj, late, default)
+    return f"{type(obj).__name__}({', '.join(f'{n}={getattr(obj, n)!r}' for n in shown)})"
+
+
 @dataclass(frozen=True)
 class DDPOptions:
     """Keyword arguments of DistributedDataParallel (and replicate) a case sets, and the
@@ -134,11 +146,16 @@ class FSDP2Options:
         return self.mixed_precision
 
 
+# How a user clips by the total gradient norm: in one call, or as torchtitan does, the norm
+# first (get_total_norm, its full_tensor() where a DTensor), then clip_grads_with_norm_.
+CLIP_BY = ("clip_grad_norm_", "get_total_norm")
+
+
 @dataclass(frozen=True)
 class Habits:
     """What users do around the DP wrapper while they train, drawn as part of a case."""
 
-    clip: float | None = None  # clip_grad_norm_(model.parameters(), clip) before each step
+    clip: float | None = None  # clip the model's parameters' gradients to this total norm before each step
     checkpoint: bool = False  # activation checkpointing of every block (torch's composable checkpoint)
     # between steps: "eval" (eval(), a no_grad forward, train()), "no_grad" (a forward), or
     # "submodule" (the model's last block called directly under no_grad, as a user probes it)
@@ -147,6 +164,10 @@ class Habits:
     # the model's first child left out of DP (its ignore list): "frozen" by the user, or
     # "trained" with its gradients averaged over dp by the user, after the last backward
     ignored: str = ""
+    clip_by: str = field(default=CLIP_BY[0], repr=False)  # one of CLIP_BY (in repr where not the first)
+
+    def __repr__(self) -> str:
+        return _repr(self, late=("clip_by",), default=CLIP_BY[0])
 
 
 # Losses over a vocabulary head's logits, as users write them (tpdp_verify.fixtures.losses):
@@ -218,13 +239,10 @@ class TrainCase:
         prints every field of a dataclass otherwise)."""
         from hypothesis.vendor.pretty import pprint_fields
 
-        pprint_fields(self, p, cycle, [f.name for f in fields(self) if f.repr] + (["loss"] if self.loss else []))
+        pprint_fields(self, p, cycle, _shown(self, ("loss",), None))
 
     def __repr__(self) -> str:
-        """Constructor code; ``loss`` only where set, so that a case without one reads as
-        it always has (the shipped baseline's and cover cases' reprs)."""
-        shown = [f.name for f in fields(self) if f.repr] + (["loss"] if self.loss else [])
-        return f"TrainCase({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
+        return _repr(self, late=("loss",), default=None)
 
     @property
     def torch_dtype(self):

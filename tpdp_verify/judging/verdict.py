@@ -218,8 +218,9 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
                     for i in range(min(len(t.direct) for t in traces))]
     called = {tuple(n for n, _ in t.direct) for t in traces}
     problems += [f"ranks called different blocks directly: {sorted(called)}"] if len(called) > 1 else []
-    # each step: every rank's own total gradient norm, each judged against the oracle's
-    whole.norms = [{f"seen by rank {r}": norm for r, norm in enumerate(norms)}
+    # each step: every rank's own total gradient norm, as each reading gives it, each judged
+    # against the oracle's
+    whole.norms = [{f"rank {r} {reading}": x for r, norm in enumerate(norms) for reading, x in norm.items()}
                    for norms in zip(*(t.norms for t in traces))]
     checks.append(Check("tp ranks of a dp group produce the same output and loss", not problems,
                         "; ".join(problems[:3])))
@@ -386,10 +387,10 @@ def _put_together(held, shape: torch.Size) -> torch.Tensor | None:
     return None if any(p is None for p in parts) else torch.cat(parts)
 
 
-def _per_rank(norm, ranks: dict) -> dict:
-    """An oracle's gradient norm (one device's float, or plain DDP's, seen by every rank)
-    under each rank's name."""
-    return {k: torch.tensor(norm[k] if isinstance(norm, dict) else norm) for k in ranks}
+def _per_rank(norm: dict, ranks: dict) -> dict:
+    """An oracle's gradient norm under each rank's name ("rank R READING"): plain DDP's
+    rank's own, one device's reading for every rank."""
+    return {k: torch.tensor(norm[k] if k in norm else norm[k.split(" ", 2)[2]]) for k in ranks}
 
 
 def _registry(observed: list[str], oracle: list[str], tied: list[tuple[str, ...]] = ()) -> Check:

@@ -33,7 +33,9 @@ class Trace(Observation):
     outputs: list[dict] = field(default_factory=list)  # each microbatch: leaf path -> this run's rows of it
     unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
     losses: list[float] = field(default_factory=list)
-    norms: list[float] = field(default_factory=list)  # each step: the total gradient norm clipping saw (Habits.clip)
+    # each step: the total gradient norm clipping saw (Habits.clip), as a user logs it: a
+    # reading (READINGS) -> its value
+    norms: list[dict[str, float]] = field(default_factory=list)
     # each step: the block called directly after it (Habits.between "submodule") and its
     # output as this run holds it (a rank's may be a tp shard: judging puts it back)
     direct: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -291,14 +293,24 @@ def build_optimizer(case: TrainCase, run: Run, data: list, new_optimizer: Callab
                            + "".join(traceback.format_exception_only(exc)).strip()) from None
 
 
-def clip(run: Run, max_norm: float) -> float:
-    """clip_grad_norm_ over the model's parameters as users call it after wrapping (FSDP1's
-    own method where the wrapper has one); the total norm it saw."""
+# How a user reads the total norm a clip returns, on each rank: the number as it comes (a
+# DTensor's is its local value), and the whole value
+READINGS = (".item()", "full_tensor()")
+
+
+def clip(run: Run, habits) -> dict[str, float]:
+    """Clipping over the model's parameters as users write it after wrapping (FSDP1's own
+    method where the wrapper has one; else ``habits.clip_by``); the total norm it saw, as
+    each of READINGS gives it."""
     if hasattr(run.model, "clip_grad_norm_"):
-        norm = run.model.clip_grad_norm_(max_norm)
+        norm = run.model.clip_grad_norm_(habits.clip)
+    elif habits.clip_by == "get_total_norm":  # torchtitan's dist_utils.clip_grad_norm_
+        params = list(run.model.parameters())
+        norm = whole(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        torch.nn.utils.clip_grads_with_norm_(params, habits.clip, norm)
     else:
-        norm = torch.nn.utils.clip_grad_norm_(list(run.model.parameters()), max_norm)
-    return float(whole(norm))
+        norm = torch.nn.utils.clip_grad_norm_(list(run.model.parameters()), habits.clip)
+    return dict(zip(READINGS, (norm.item(), whole(norm).item())))
 
 
 def between_steps(case: TrainCase, run: Run, batch: dict, called: dict, trace: Trace) -> None:
@@ -391,7 +403,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 trace.losses.append(float(whole(loss.detach())))
             run.sync_ignored()
             if case.habits.clip is not None:
-                trace.norms.append(clip(run, case.habits.clip))
+                trace.norms.append(clip(run, case.habits))
             with held_params(run) as current:
                 trace.grads.append(snapshot(run, {n: p.grad for n, p in current.items()}))
             optimizer.step()
