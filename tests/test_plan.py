@@ -46,6 +46,9 @@ def test_a_correct_plan_passes_every_check(pool):
                                        "requires_grad preserved", "DP replicas equal"))
     data = json.loads(report.to_json())
     assert data["ok"] and len(data["checks"]) == len(report.lines) and data["failures"] == []
+    # what the PASS covers: the Rowwise layer's bias is the one gradient TP reduces
+    assert data["exercised"] == {"reduced by tp": ["down.bias"], "precision": []}
+    assert "loss: not under loss_parallel" in str(report) and "mixed precision: none" in str(report)
 
 
 def test_wildcard_keys_a_plan_function_targets_and_adam(pool):
@@ -153,6 +156,10 @@ def test_loss_parallel_takes_the_per_sample_loss_users_write_a_dtensor(pool):
                     loss_parallel=True, pool=pool, steps=2)
     assert report.ok, str(report)
     assert next(x for x in report.lines if x.check == "gradients vs one device").compared > 0
+    seen = report.to_dict()["exercised"]  # the report says the loss ran sharded, and which ops did
+    assert {"_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"} <= set(
+        seen["loss ops"]), str(report)
+    assert {"norm.weight", "layers.0.ffn_norm.weight"} <= set(seen["reduced by tp"])  # SequenceParallel's norms
 
 
 def test_an_exception_in_the_loss_is_located_there(pool):

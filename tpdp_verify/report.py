@@ -92,6 +92,10 @@ class Line:
         return "ok", f"{self.worst:.3g} of the bound" if self.worst else self.detail
 
 
+def _few(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 def _number(x: float):
     """JSON has no infinity or NaN: a non-finite error or ratio is written as a string."""
     return x if math.isfinite(x) else str(x)
@@ -185,6 +189,22 @@ class Report:
                     + ", ".join(f"{describe(p)} (vs {against})" for against, p in new)]
         return out
 
+    def _exercised_lines(self) -> list[str]:
+        """What the run went through, so that a reader knows what a PASS covers."""
+        seen = self.one_device.exercised
+        if not seen:
+            return []  # the ranks did not get as far as wrapping
+        ops = seen.get("loss ops")
+        loss = ("not under loss_parallel" if ops is None else
+                f"under loss_parallel, its sharded ops: {', '.join(ops)}" if ops else
+                "under loss_parallel, but none of its sharded ops ran: the loss never met vocab-sharded logits")
+        reduced = seen.get("reduced by tp", [])
+        tp = (f"{len(reduced)} parameter{'s' * (len(reduced) != 1)} replicated over tp, each rank's gradient "
+              f"a partial sum TP reduces: {_few(reduced)}" if reduced else
+              "none: no trained parameter is replicated over more than one tp rank")
+        return ["", "what this run exercised (a PASS covers these):", f"  loss: {loss}",
+                f"  gradients TP reduces: {tp}", f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"]
+
     @property
     def _reached(self) -> bool:
         """Whether training got far enough to compare anything (a run that raised compares nothing after it)."""
@@ -198,6 +218,7 @@ class Report:
         # Against one device first; plain DDP's own report only adds news when that passed.
         if self.one_device.unread:
             out += ["", "output leaves not compared: " + "; ".join(self.one_device.unread)]
+        out += self._exercised_lines()
         out += self._known_lines()
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
         if not verdict.ok:
@@ -227,6 +248,7 @@ class Report:
             "checks": [{"check": x.check, "ok": {"ok": True, "FAIL": False}.get(x.cell(self._reached)[0]),
                         "compared": x.compared, "failed": x.failed, "worst_ratio": _number(x.worst),
                         "detail": x.cell(self._reached)[1]} for x in self.lines],
+            "exercised": self.one_device.exercised,
             "outputs_not_compared": self.one_device.unread,
             "first_module": self.first_module,
             "plain_ddp": self.one_device.plain_ddp,

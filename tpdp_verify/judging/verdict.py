@@ -49,6 +49,8 @@ class Verdict:
     # (inf where there was nothing of the same shape to subtract), to weigh one run's
     # departures against another's
     departures: dict[str, float] = field(default_factory=dict)
+    # what the observed run went through (tpdp_verify.ranks.loop.Trace.exercised)
+    exercised: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def of_ranks(cls, observed: list[Observation], minimum: int = 1) -> Verdict:
@@ -186,7 +188,8 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
     whole = Trace(trainable=traces[0].trainable, activations=traces[0].activations,
                   state_unobserved=traces[0].state_unobserved, registry=traces[0].registry, unread=traces[0].unread,
-                  ignored=sorted({d for t in traces for d in t.ignored}))
+                  ignored=sorted({d for t in traces for d in t.ignored}),
+                  exercised=traces[0].exercised | _union("loss ops", traces))
     for what in ("trainable", "registry"):
         differ = [r for r, t in enumerate(traces) if getattr(t, what) != getattr(whole, what)]
         checks.append(Check(f"every rank has the same {what} parameters", not differ,
@@ -225,6 +228,12 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     checks.append(Check("tp ranks of a dp group produce the same output and loss", not problems,
                         "; ".join(problems[:3])))
     return whole, checks
+
+
+def _union(key: str, traces: list[Trace]) -> dict:
+    """``key`` of the traces' ``exercised``, every rank's together, where some rank has it."""
+    found = [t.exercised[key] for t in traces if key in t.exercised]
+    return {key: sorted({x for f in found for x in f})} if found else {}
 
 
 def _as_whole(err: Error) -> str:
@@ -272,7 +281,8 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     mixed precision), that dtype is the floor of every bound (docs/tolerance.md)."""
     dtype = case.wire_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
-                if observed.state_unobserved else "", unread=shadow.unread, accumulate=case.accumulate)
+                if observed.state_unobserved else "", unread=shadow.unread, accumulate=case.accumulate,
+                exercised=observed.exercised)
     if observed.error:
         v.checks.append(Check("trains without an exception", False, observed.error, observed.raised))
         v.first_module = observed.raised_in or None

@@ -252,3 +252,18 @@ WRAP = {
     "replicate_fsdp": wrap_replicate_fsdp,
     "own": wrap_own,
 }
+
+
+def precision(model: nn.Module) -> list[str]:
+    """The mixed-precision policies of the DP wrappers in and around ``model``, as a report
+    names them: DDP's and FSDP1's ``mixed_precision``, each FSDP2 module's
+    MixedPrecisionPolicy (read from its state, where this torch keeps it)."""
+    found = []
+    for m in model.modules():
+        policies = [getattr(m, "mixed_precision", None)]
+        state = getattr(m, "_get_fsdp_state", None)
+        if callable(state):
+            policies += [g.mp_policy for g in getattr(state(), "_fsdp_param_groups", ())]
+        found += [repr(p) for p in policies
+                  if any(getattr(p, k, None) is not None for k in ("param_dtype", "reduce_dtype"))]
+    return list(dict.fromkeys(found))

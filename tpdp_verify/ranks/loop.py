@@ -51,6 +51,10 @@ class Trace(Observation):
     # what DP did to the parameters the user told it to ignore (Habits.ignored): each one it
     # replaced or localized, after wrapping and after training
     ignored: list[str] = field(default_factory=list)
+    # what the run went through that a PASS then covers (a plan report lists it): "loss ops"
+    # (those loss_parallel computed sharded), "reduced by tp" (trainable parameters TP
+    # replicates, whose gradients it sums over tp), "precision" (a DP wrapper's policy)
+    exercised: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -373,6 +377,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
     # Habits.between "submodule": the blocks that may be called directly, and the last called
     direct, called = (blocks(run.inner) if case.habits.between == "submodule" else []), {}
     running: list[str] = []  # modules whose forward has begun and not returned
+    sharded_loss_ops: set[str] = set()
     try:
         with held_params(run) as current:
             trace.params.append(snapshot(run, current))
@@ -391,7 +396,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                 local = {k: v[run.rows] for k, v in b.items()}
                 sync = contextlib.nullcontext() if m == len(micro) - 1 else run.no_sync()
                 record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
-                with sync, maybe_loss_parallel(run.loss_parallel):
+                with sync, maybe_loss_parallel(run.loss_parallel, sharded_loss_ops):
                     with record, calls(run, direct if m == 0 else [], called), tracking(run.inner, running):
                         out = forward(run.model, run.inner, local)
                     running.append(LOSS)
@@ -424,6 +429,8 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         trace.error = where + "".join(traceback.format_exception_only(exc)).strip() + signature.innermost(exc)
         trace.raised = signature.raised(exc)
         caught(trace.error, trace.raised)
+    if run.loss_parallel:
+        trace.exercised["loss ops"] = sorted(sharded_loss_ops)
     return trace
 
 
@@ -473,9 +480,28 @@ def tracking(module: nn.Module, running: list[str]):
             h.remove()
 
 
-def maybe_loss_parallel(on: bool):
+@contextlib.contextmanager
+def maybe_loss_parallel(on: bool, seen: set[str] | None = None):
+    """loss_parallel() where the run's loss is over vocab-sharded logits; ``seen`` collects
+    the ops its sharded handlers computed (what a plan report says the loss exercised)."""
     if not on:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss, loss_parallel
 
-    return loss_parallel()
+    handlers = loss.customized_loss_ops  # read when loss_parallel() enters and exits
+    if seen is not None:
+        loss.customized_loss_ops = {op: _noted(op, handler, seen) for op, handler in handlers.items()}
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        loss.customized_loss_ops = handlers
+
+
+def _noted(op, handler, seen: set[str]):
+    def handle(*args, **kwargs):
+        seen.add(op._schema.name.removeprefix("aten::"))
+        return handler(*args, **kwargs)
+
+    return handle

@@ -146,7 +146,7 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
     dp groups (the transform finds no DTensor and does nothing): the plain-DP oracle.
     """
     from tpdp_verify.impls.select import installed, load
-    from tpdp_verify.ranks.entries import WRAP
+    from tpdp_verify.ranks.entries import WRAP, precision
     from tpdp_verify.ranks.pool import device_mesh
 
     impl = load(impl_name)
@@ -158,4 +158,19 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
         except Exception as exc:
             return _failed(f"wrapping with {case.entry}", exc)
         run = run_of(case, wrapped, mesh, before)
-        return train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
+        trace = train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
+    trace.exercised |= {"reduced by tp": reduced_by_tp(before), "precision": precision(wrapped.model)}
+    return trace
+
+
+def reduced_by_tp(before: dict) -> list[str]:
+    """The trainable parameters TP replicates over more than one tp rank: each rank's
+    gradient is a partial sum that TP reduces (SequenceParallel's norms, a Rowwise bias, a
+    tied embedding)."""
+    out = []
+    for name, p in before.items():
+        dims = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        if p.requires_grad and "tp" in dims:
+            i = dims.index("tp")
+            out += [name] if p.placements[i].is_replicate() and p.device_mesh.size(i) > 1 else []
+    return out
