@@ -72,6 +72,9 @@ def counts() -> Counter:
                                 f"ddp.batched_grad_copy={ddp.batched_grad_copy}"])
                 if c.entry in FSDP2:
                     out.update([f"fsdp.mixed_precision={fsdp.mixed_precision}"])
+                if c.entry in FSDP2 and fsdp.mixed_precision and c.model == "llama_sp" and c.tp > 1:
+                    # TP sums the norms' partial gradients: reduce_dtype governs it (judging.reductions)
+                    out.update([f"tp sums under {c.entry}'s policy, accumulate={min(c.accumulate, 2)}"])
                 if c.entry == "fully_shard":
                     out.update([f"fsdp.reshard_after_forward={fsdp.reshard_after_forward}"])
     return out
@@ -89,6 +92,7 @@ EXPECTED = (
     + [f"ddp.batched_grad_copy={v}" for v in ((True, False) if "batched_grad_copy" in ddp_keywords() else (False,))]
     + [f"fsdp.mixed_precision={v}" for v in (None, *HALF)]
     + [f"fsdp.reshard_after_forward={v}" for v in (True, False)]
+    + [f"tp sums under {e}'s policy, accumulate={a}" for e in FSDP2 for a in (1, 2)]
     + [f"habits.clip={v}" for v in CLIPS]
     + [f"habits.clip_by={v} under {e}" for v in clip_ways() for e in ("ddp", *FSDP2)]
     + [f"habits.between={v}" for v in BETWEEN]

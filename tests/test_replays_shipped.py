@@ -1,5 +1,5 @@
 """The replay scripts of docs/known-divergences.md for the faults the exclusions hid and the
-drawn losses found (faults 12 to 15), as shipped: each runs on gloo ranks and prints the fault."""
+drawn losses and the policy's reductions found (faults 12 to 16), as shipped: each runs on gloo ranks and prints the fault."""
 
 import subprocess
 import sys
@@ -43,3 +43,10 @@ def test_log_softmax_under_loss_parallel_backpropagates_as_if_nll_loss_came_next
     out = dict(line.split(": the logits' gradient departs by ") for line in _run("loss_parallel_log_softmax_grad.py").splitlines()
                if "departs by" in line)
     assert float(out["nll_loss"]) < 1e-12 and float(out["kl_div"]) > 0.1, out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_sums_tp_partial_gradients_in_the_compute_dtype_unless_accumulated():
+    out = _run("fsdp2_tp_reduce_dtype.py")
+    assert "1 microbatch: the norm's gradient summed over tp in bfloat16 (reduce_dtype float32)" in out, out
+    assert "2 microbatches: the norm's gradient summed over tp in float32" in out, out

@@ -427,3 +427,33 @@ class NormLeftPerRank(TorchReference):
             yield
         finally:
             clip_grad._get_total_norm, torch.nn.utils.get_total_norm = saved
+
+
+class AccumulatedGradReducedInParamDtype(TorchReference):
+    """FSDP2 sums a gradient that TP holds as partial sums over tp (a SequenceParallel
+    norm's) in the parameters' bfloat16 where the policy's ``reduce_dtype`` is float32, on
+    the path torch 2.13 gets right: a gradient accumulated over microbatches, which
+    ``to_accumulated_grad_if_needed`` casts to ``reduce_dtype`` before the reduction
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``_get_grad_inner_tensor``)."""
+
+    caught_by = frozenset({"trains_like_plain_ddp"})
+    departs_as = frozenset({"TpSumsGradientsAccumulatedOverMicrobatchesInTheReduceDtype"})
+
+    @staticmethod
+    @contextlib.contextmanager
+    def patched():
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        inner = FSDPParam._get_grad_inner_tensor
+
+        def lowered(fsdp_param, grad):
+            low = fsdp_param.param_dtype
+            if low is not None and isinstance(grad, DTensor) and grad.dtype != low:
+                return inner(fsdp_param, grad.to(low)).to(grad.dtype)
+            return inner(fsdp_param, grad)
+
+        FSDPParam._get_grad_inner_tensor = lowered
+        try:
+            yield
+        finally:
+            FSDPParam._get_grad_inner_tensor = inner

@@ -199,11 +199,11 @@ class Report:
                 f"under loss_parallel, its sharded ops: {', '.join(ops)}" if ops else
                 "under loss_parallel, but none of its sharded ops ran: the loss never met vocab-sharded logits")
         reduced = seen.get("reduced by tp", [])
-        tp = (f"{len(reduced)} parameter{'s' * (len(reduced) != 1)} replicated over tp, each rank's gradient "
-              f"a partial sum TP reduces: {_few(reduced)}" if reduced else
-              "none: no trained parameter is replicated over more than one tp rank")
+        tp = (f"{len(reduced)} ({_few(reduced)}): TP sums each rank's partial gradient, or each rank computes "
+              "the whole one alike" if reduced else "none, so a PASS says nothing of TP's gradient reductions")
         return ["", "what this run exercised (a PASS covers these):", f"  loss: {loss}",
-                f"  gradients TP reduces: {tp}", f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"]
+                f"  trained parameters replicated over tp: {tp}",
+                f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"]
 
     @property
     def _reached(self) -> bool:

@@ -55,6 +55,8 @@ class Trace(Observation):
     # (those loss_parallel computed sharded), "reduced by tp" (trainable parameters TP
     # replicates, whose gradients it sums over tp), "precision" (a DP wrapper's policy)
     exercised: dict[str, list[str]] = field(default_factory=dict)
+    # each gradient TP reduced under FSDP2, in order (tpdp_verify.ranks.reductions.Reduction)
+    reductions: list = field(default_factory=list)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.ranks.loop import Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train
 from tpdp_verify.ranks.pieces import cut
 from tpdp_verify.ranks.pool import caught
+from tpdp_verify.ranks.reductions import Reduction, watching
 
 MESH_DIMS = ("dp", "tp")
 
@@ -158,7 +159,10 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
         except Exception as exc:
             return _failed(f"wrapping with {case.entry}", exc)
         run = run_of(case, wrapped, mesh, before)
-        trace = train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
+        reduced: list[Reduction] = []
+        with watching(reduced):
+            trace = train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
+    trace.reductions = reduced
     trace.exercised |= {"reduced by tp": reduced_by_tp(before), "precision": precision(wrapped.model)}
     return trace
 

@@ -1,0 +1,58 @@
+"""TP's reductions of gradients under FSDP2, watched where torch makes them.
+
+FSDP2 turns an unsharded parameter's gradient into the local tensor it reduce-scatters over
+dp in ``FSDPParam._get_grad_inner_tensor``. A gradient that is a partial sum over tp (a
+SequenceParallel norm's, whose rows of the sequence each tp rank holds) is all-reduced
+there first. Seeing each rank's partial sum and the reduced result, judging can tell in
+which precision the reduction ran (tpdp_verify.judging.reductions), which the policy's
+``reduce_dtype`` promises and no comparison of trained values can resolve under a
+half-precision ``param_dtype``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class Reduction(NamedTuple):
+    """One gradient TP reduced on this rank: its partial sum, and the result FSDP2 reduces over dp."""
+
+    name: str  # the parameter's name from the root module
+    partial: torch.Tensor  # this rank's local gradient before the reduction
+    reduced: torch.Tensor  # this rank's local gradient after it
+
+
+@contextlib.contextmanager
+def watching(seen: list[Reduction]) -> Iterator[None]:
+    """Record in ``seen`` every gradient of partial placement that FSDP2 reduces, in order
+    (nothing on a torch whose FSDP2 has no such step)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        yield
+        return
+    inner = getattr(FSDPParam, "_get_grad_inner_tensor", None)
+    if inner is None:
+        yield
+        return
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def watched(fsdp_param, grad):
+        grad = grad.wait() if isinstance(grad, AsyncCollectiveTensor) else grad  # as torch's own does first
+        local = grad._local_tensor.detach().clone() if isinstance(grad, DTensor) and any(
+            p.is_partial() for p in grad.placements) else None
+        out = inner(fsdp_param, grad)
+        if local is not None:
+            seen.append(Reduction(fsdp_param._param_fqn or "", local, out.detach().clone()))
+        return out
+
+    FSDPParam._get_grad_inner_tensor = watched
+    try:
+        yield
+    finally:
+        FSDPParam._get_grad_inner_tensor = inner
