@@ -373,17 +373,30 @@ class ChunkBoxOffByOne:
 # -- (d) beyond the transform: what a TP+DP run calls around it -------------------------
 
 
+@contextlib.contextmanager
+def _replaced(*sites):
+    """Each (owner, name, value) set for the run, torch's own put back after it: the
+    pool's ranks are torch's again for the next run."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in sites]
+    for owner, name, value in sites:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 class ParallelCrossEntropyGradScales(TorchReference):
     """loss_parallel's ``nll_loss`` backward returns the gradient scaled by 1 + 1e-3: the
     sharded cross entropy's backward, as a regression in its handler would change it
     (torch/distributed/tensor/parallel/loss.py); the transform is torch's. Installed for
-    the run only (``patched``), so the pool's ranks are torch's again after it."""
+    the run only (``patched``)."""
 
     caught_by = frozenset({"losses_train_like_one_device"})
     departs_as = frozenset({"GradientBeyondItsBound"})
 
     @staticmethod
-    @contextlib.contextmanager
     def patched():
         from torch.distributed.tensor.parallel import loss
 
@@ -393,12 +406,7 @@ class ParallelCrossEntropyGradScales(TorchReference):
         def scaled(op_call, args, kwargs):
             return handler(op_call, args, kwargs) * (1 + 1e-3)
 
-        saved = loss.customized_loss_ops
-        loss.customized_loss_ops = {**saved, nll_backward: scaled}
-        try:
-            yield
-        finally:
-            loss.customized_loss_ops = saved
+        return _replaced((loss, "customized_loss_ops", {**loss.customized_loss_ops, nll_backward: scaled}))
 
 
 class NormLeftPerRank(TorchReference):
@@ -411,7 +419,6 @@ class NormLeftPerRank(TorchReference):
     departs_as = frozenset({"GradientNormBeyondItsBound"})
 
     @staticmethod
-    @contextlib.contextmanager
     def patched():
         from torch.nn.utils import clip_grad
 
@@ -421,12 +428,7 @@ class NormLeftPerRank(TorchReference):
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             return total_norm([t.to_local() if isinstance(t, DTensor) else t for t in tensors], *args, **kwargs)
 
-        saved = clip_grad._get_total_norm, torch.nn.utils.get_total_norm
-        clip_grad._get_total_norm = torch.nn.utils.get_total_norm = per_rank
-        try:
-            yield
-        finally:
-            clip_grad._get_total_norm, torch.nn.utils.get_total_norm = saved
+        return _replaced((clip_grad, "_get_total_norm", per_rank), (torch.nn.utils, "get_total_norm", per_rank))
 
 
 class AccumulatedGradReducedInParamDtype(TorchReference):
@@ -440,7 +442,6 @@ class AccumulatedGradReducedInParamDtype(TorchReference):
     departs_as = frozenset({"TpSumsGradientsAccumulatedOverMicrobatchesInTheReduceDtype"})
 
     @staticmethod
-    @contextlib.contextmanager
     def patched():
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
@@ -452,8 +453,4 @@ class AccumulatedGradReducedInParamDtype(TorchReference):
                 return inner(fsdp_param, grad.to(low)).to(grad.dtype)
             return inner(fsdp_param, grad)
 
-        FSDPParam._get_grad_inner_tensor = lowered
-        try:
-            yield
-        finally:
-            FSDPParam._get_grad_inner_tensor = inner
+        return _replaced((FSDPParam, "_get_grad_inner_tensor", lowered))
