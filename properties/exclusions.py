@@ -267,13 +267,22 @@ LOSS_OPTIONS = Exclusion(
     "docs/properties.md#losses_train_like_one_device",
     extended)
 
+LOSS_THROUGH_DEPARTING = Exclusion(
+    "losses_through_replicate_and_fsdp1", ("losses_train_like_one_device",),
+    "a drawn loss through replicate or FSDP1: with TP both depart on the models with a "
+    "vocabulary head whatever the loss (replicate loses the TP parameters' gradients, FSDP1 "
+    "raises in its forward or its summon_full_params), so a loss's own fault there would be "
+    "filed under theirs; entry_points_train_like_one_device searches them with each model's own loss",
+    "docs/properties.md#losses_train_like_one_device",
+    lambda case: case.loss is not None and case.entry in ("replicate", "fsdp1"))
+
 EXCLUSIONS = (
     FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
     CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE,
     TREES_WITHOUT_PARAMETERS, HALF_AGAINST_ONE_DEVICE,
     HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP, LABEL_SMOOTHING_UNDER_LOSS_PARALLEL,
-    LOSS_OPTIONS,
+    LOSS_OPTIONS, LOSS_THROUGH_DEPARTING,
 )
 
 # What checkpoint_cases keeps: training works, so there is something to checkpoint.

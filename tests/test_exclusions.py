@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-from tpdp_verify.cases.training import BETWEEN, BUILT
+from tpdp_verify.cases.training import BETWEEN, BUILT, LOSS_MODELS
 from tpdp_verify.properties import ALL, EXCLUSIONS
 from tpdp_verify.properties.losses import CROSS_ENTROPY, SMOOTHING, loss_cases, losses
 from tpdp_verify.properties.modules import module_trees
@@ -57,6 +57,8 @@ UNFILTERED = {
         lambda c: st.sampled_from(BETWEEN).map(lambda b: replace(c.habits, between=b))),
     "losses_with_options_and_habits": lambda ws: st.builds(lambda c, loss: replace(c, loss=loss), train_cases(ws),
                                                            losses()),
+    "losses_through_replicate_and_fsdp1": lambda ws: st.builds(
+        lambda c, loss: replace(c, loss=loss), train_cases(ws, models=LOSS_MODELS, options=False), losses()),
     "label_smoothing_under_loss_parallel": lambda ws: _redraw(
         loss_cases(ws), "loss", lambda c: st.sampled_from(SMOOTHING).map(
             lambda s: replace(c.loss, label_smoothing=s if c.loss.kind in CROSS_ENTROPY else 0.0))),
@@ -150,6 +152,7 @@ CLAIMS = {
     "fsdp1_checkpoint_accumulate": "training fails",
     "half_precision_against_one_device": "rounds",
     "label_smoothing_under_loss_parallel": "refused",
+    "losses_through_replicate_and_fsdp1": "the entry point's",
 }
 BY_NAME = {x.name: x for x in EXCLUSIONS}
 
@@ -184,6 +187,9 @@ def test_the_reason_holds_on_a_case_it_leaves_out(tpdp_pools, name):
         outside = verdict_one_device(pool, "torch", replace(case, loss=replace(case.loss, parallel=False)))
         assert any(not c.ok and c.name == "trains without an exception" for c in verdict.checks), verdict.report()
         assert all(c.ok for c in outside.checks if c.name == "trains without an exception"), outside.report()
+    elif claim == "the entry point's":  # and with the model's own loss too
+        own_loss = verdict_one_device(pool, "torch", replace(case, loss=None))
+        assert not own_loss.ok, f"{case!r} trains exactly with its model's own loss: draw the losses there"
     elif claim == "own":
         assert verdict.plain_ddp.startswith("departs too"), (case, verdict.plain_ddp)
     else:

@@ -13,7 +13,8 @@ import pytest
 
 from tpdp_verify.properties import (checkpoint_resumes, chunk_tensor_metadata, entry_points_train_like_one_device,
                                     flatten_roundtrip, ignored_params_untouched, losses_train_like_one_device,
-                                    miswiring_refused_or_exact, trains_like_one_device)
+                                    miswiring_refused_or_exact, trains_like_one_device,
+                                    trains_like_plain_ddp)
 from tpdp_verify.runner import baseline, profiles
 from tpdp_verify.runner.gate import check_property
 
@@ -41,6 +42,13 @@ def judged(outcome, prop):
     # beside fault 15 (a KL loss's gradients under loss_parallel), in the regions of the
     # losses that go through cross entropy's sharded backward
     (torch_mutants.ParallelCrossEntropyGradScales, losses_train_like_one_device, "value:gradient"),
+    # each rank's total norm left unreduced, where torch 2.13 clips exactly (FSDP2 over a plan
+    # that shards every parameter over tp: the cover cases clip the MLP both ways)
+    (torch_mutants.NormLeftPerRank, entry_points_train_like_one_device, "value:gradient-norm"),
+    # an accumulated gradient's TP sum in bfloat16, on the path torch 2.13 sums in float32
+    # (beside fault 16, its step's gradients summed in bfloat16)
+    (torch_mutants.AccumulatedGradReducedInParamDtype, trains_like_plain_ddp,
+     "check:tp-sums-gradients-accumulated-over-microbatches-in-the-reduce-dtype"),
 ], ids=lambda v: getattr(v, "__name__", getattr(v, "name", v)))
 def test_a_regression_in_torch_is_new_against_the_shipped_baseline(tpdp_pools, mutant, prop, part):
     from tpdp_verify.runner.property import region
