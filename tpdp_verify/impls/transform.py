@@ -64,6 +64,14 @@ def unflatten(local: torch.Tensor, info: ShardingInfo) -> DTensor:
 class Transform:
     """The reference: one method for each function in tpdp_verify.impls.select.FUNCTIONS."""
 
+    @staticmethod
+    def patched():
+        """What the reference installs for a run beyond the transform: FSDP2's sum of TP's
+        partial gradients in the policy's reduce_dtype (tpdp_verify.impls.fsdp2_sums)."""
+        from tpdp_verify.impls.fsdp2_sums import summed_in_reduce_dtype
+
+        return summed_in_reduce_dtype()
+
     # -- the tensor transform --------------------------------------------------------
 
     def flatten_tensor(self, t: torch.Tensor) -> tuple[torch.Tensor, ShardingInfo | None]:
@@ -188,3 +196,4 @@ update_module_param = REFERENCE.update_module_param
 localize_dtensor = REFERENCE.localize_dtensor
 reconstruct_dtensor = REFERENCE.reconstruct_dtensor
 pre_dp_module_transform = REFERENCE.pre_dp_module_transform
+patched = REFERENCE.patched

@@ -1,0 +1,43 @@
+"""The reference's FSDP2 step for TP's partial gradients, written from the policy's contract.
+
+``MixedPrecisionPolicy(reduce_dtype=...)`` says in which dtype gradients are reduced. Under
+TP, a gradient each tp rank holds as a partial sum (a SequenceParallel norm's) is summed
+over tp in ``FSDPParam._get_grad_inner_tensor`` before FSDP2's reduce-scatter over dp; torch
+2.13 sums a step's gradient there in the compute dtype (docs/known-divergences.md, fault
+16). The reference casts the gradients to ``reduce_dtype`` first, as torch already does for
+a gradient accumulated over microbatches: one dtype for the whole group, which FSDP2's
+reduce-scatter casts to anyway. Installed for a run by ``Transform.patched``; it is the
+only place the reference reaches into FSDP2, whose site it replaces as a fix would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch.distributed.tensor import DTensor
+
+
+@contextlib.contextmanager
+def summed_in_reduce_dtype() -> Iterator[None]:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        yield
+        return
+    inner = getattr(FSDPParam, "_get_grad_inner_tensor", None)
+    if inner is None:
+        yield
+        return
+
+    def summed(fsdp_param, grad):
+        wanted = fsdp_param.reduce_dtype
+        if wanted is not None and isinstance(grad, DTensor) and grad.dtype != wanted:
+            grad = grad.to(wanted)
+        return inner(fsdp_param, grad)
+
+    FSDPParam._get_grad_inner_tensor = summed
+    try:
+        yield
+    finally:
+        FSDPParam._get_grad_inner_tensor = inner
