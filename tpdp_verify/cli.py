@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="the module whose ALL lists the properties to run (default: tpdp-verify's own)")
     gate.add_argument("--seed", type=int, help="draw other cases than the profile's fixed ones "
                       "(default: the same cases on every run and machine)")
+    gate.add_argument("-k", metavar="EXPR", dest="keyword",
+                      help="only the searches whose property name (or worldN) matches, as pytest's -k: "
+                      "'trains and not plain and world4'")
+    gate.add_argument("--shard", metavar="K/N", help="only the K-th of N parts of the searches, balanced by "
+                      "their measured cost; `tpdp-verify merge` puts the parts' --json files together")
     _verbose_option(gate)
     _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
                     junit="the run as JUnit XML, a test case a property",
@@ -102,6 +107,14 @@ def _parser() -> argparse.ArgumentParser:
     _output_options(plan, json="the report as JSON (keys: docs/cli.md)",
                     junit="the report as JUnit XML, a test case a check",
                     markdown="the report as a Markdown table")
+
+    merge = commands.add_parser("merge", help="put the parts of a gate run split by --shard back together",
+                                description="The whole run's verdict and outputs from the --json files of "
+                                "its N parts (`gate --shard K/N`), as if it had run in one process; a part "
+                                "missing, given twice or from another run is an error (exit 2).")
+    merge.add_argument("parts", nargs="+", metavar="PART.json")
+    _output_options(merge, json="the whole run as JSON (the gate's keys, and `parts`)",
+                    junit="the whole run as JUnit XML", markdown="the whole run as a Markdown table")
 
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
@@ -160,6 +173,10 @@ def _outputs(args: argparse.Namespace, *formats: str) -> dict[str, str]:
 
 def _gate(args: argparse.Namespace) -> int:
     files = _outputs(args, "json", "junit", "markdown")  # before torch loads: fail fast
+    if args.shard:
+        from tpdp_verify.runner.selection import parse
+
+        parse(args.shard)
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
     replaying = [f"--{o.replace('_', '-')}" for o in ("baseline", "baseline_python", "baseline_impl") if getattr(args, o)]
@@ -186,6 +203,8 @@ class _GateRun:
         self.started, self.start = outputs.now(), time.monotonic()
         self.profile = profiles.get(args.profile)
         self.suite = self.known = self.side = self.judged = None
+        self.selected: set | None = None  # the searches -k and --shard leave, where given
+        self.selection: dict | None = None  # and what they were chosen from, for merge
         self.outcomes: list = []
         self.during = "start-up"  # then search, baseline (judging by it), report
         self.last = self.start  # when the last search ended: the running one's start, or near it
@@ -200,7 +219,7 @@ class _GateRun:
                                    code, self.started, error,
                                    baseline=side.what if side else args.baseline if self.known else "",
                                    judged=self.judged, excluded=self.suite.exclusion_records() if self.suite else [],
-                                   seed=args.seed, interrupted=interrupted)
+                                   seed=args.seed, interrupted=interrupted, selection=self.selection)
 
     def searched(self, outcome) -> None:
         self.outcomes.append(outcome)
@@ -213,7 +232,7 @@ class _GateRun:
         from tpdp_verify.runner.gate import interrupted, searches
 
         self.stopped = True
-        todo = searches(self.suite.properties, self.profile) if self.suite else []
+        todo = searches(self.suite.properties, self.profile, self.selected) if self.suite else []
         done, left = len(self.outcomes), todo[len(self.outcomes):]
         running = time.monotonic() - self.last if self.during == "search" and left else None
         self.outcomes += interrupted(left, exc.name, running, self.profile.max_examples)
@@ -248,6 +267,7 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
 
     profile, known = run.profile, run.known
     suite = run.suite = load_suite(args.suite)
+    _select(args, run)
     logs = _quiet(args)
     if args.baseline_python:
         print(f"baseline: starting {args.baseline_python}", flush=True)
@@ -263,7 +283,7 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
                              known=baseline.regional_parts(known[1]) if known else None,
                              learn=args.update_baseline, seed=args.seed, rank_output=logs,
                              judge=(lambda prop, pool, stats: replay.Replayed(side, prop, pool, stats, budget))
-                             if side else None)
+                             if side else None, selected=run.selected)
         with contextlib.closing(searches):  # an interrupt between searches: the ranks stop now, not at exit
             for outcome in searches:
                 run.searched(outcome)
@@ -303,6 +323,23 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
     outputs.write(files, run.record(code))  # with divergences too: they are what CI shows
     _said_where(logs)
     return code
+
+
+def _select(args: argparse.Namespace, run: _GateRun) -> None:
+    """The searches -k and --shard leave of the suite's, said in one line."""
+    from tpdp_verify.runner.gate import searches
+    from tpdp_verify.runner.selection import search_id, select
+
+    if not (args.keyword or args.shard):
+        return
+    every = [(p.name, ws) for p, ws in searches(run.suite.properties, run.profile)]
+    plan = select(every, args.keyword, None, run.profile.max_examples)
+    mine = select(plan, None, args.shard, run.profile.max_examples)
+    run.selected = set(mine)
+    run.selection = {"keyword": args.keyword, "shard": args.shard, "plan": [search_id(*s) for s in plan],
+                     "searches": [search_id(*s) for s in mine]}
+    print(f"{'shard ' + args.shard + ': ' if args.shard else ''}{len(mine)} of {len(every)} searches"
+          + (f" (-k {args.keyword!r} selects {len(plan)})" if args.keyword else ""), flush=True)
 
 
 def _internal_log(exc: BaseException) -> str:
@@ -414,7 +451,18 @@ def _env(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"gate": _gate, "plan": _plan, "env": _env}
+def _merge(args: argparse.Namespace) -> int:
+    from tpdp_verify import outputs
+    from tpdp_verify.runner import merge
+
+    files = _outputs(args, "json", "junit", "markdown")
+    merged = merge.merge([(path, merge.load(path)) for path in args.parts])
+    print(merge.summary(merged))
+    outputs.write(files, merged)
+    return merged["exit_code"]
+
+
+COMMANDS = {"gate": _gate, "plan": _plan, "merge": _merge, "env": _env}
 
 
 def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -427,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT and SIGTERM raise Interrupted (once): gate and plan write what they judged
         with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
             warnings.showwarning = _one_line
-            if args.command != "env":  # env says what this machine has, torch too old or not
+            if args.command not in ("env", "merge"):  # env says what this machine has, torch too old or not
                 torch_release.check()
             return COMMANDS[args.command](args)
     except UsageError as exc:

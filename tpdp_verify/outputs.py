@@ -85,13 +85,16 @@ def _version() -> str:
 
 def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float,
                 exit_code: int, started: str, error: str = "", baseline: str = "", judged=None,
-                excluded: list[dict] = (), seed: int | None = None, interrupted: dict | None = None) -> dict:
+                excluded: list[dict] = (), seed: int | None = None, interrupted: dict | None = None,
+                selection: dict | None = None) -> dict:
     """The gate's run as plain data: the header, the counts and one entry per outcome.
 
     With a baseline each finding carries its status (NEW, CHANGED, known, FIXED): the exit
     code, the JUnit failures and the Markdown table all follow from those statuses.
     ``interrupted``: for a run a signal stopped, ``{"signal", "during"}``; the searches it left
-    are outcomes of status "interrupted", listed again under its "not_run".
+    are outcomes of status "interrupted", listed again under its "not_run". ``selection``:
+    what ``-k`` and ``--shard`` left (``{"keyword", "shard", "plan", "searches"}``; null for
+    the whole suite): what ``merge`` checks the parts against.
     """
     import torch
 
@@ -109,6 +112,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "max_examples": profile.max_examples,
         "shrink_total": profile.shrink_total if profile.shrink else 0,
         "seed": seed,
+        "selection": selection,
         "backend": backend,
         "world_sizes": list(profile.world_sizes),
         "unexercised_keywords": coverage.record(coverage.unexercised()),

@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from torch.distributed.tensor import DTensor
-
 
 @contextlib.contextmanager
 def summed_in_reduce_dtype() -> Iterator[None]:
@@ -32,7 +30,7 @@ def summed_in_reduce_dtype() -> Iterator[None]:
 
     def summed(fsdp_param, grad):
         wanted = fsdp_param.reduce_dtype
-        if wanted is not None and isinstance(grad, DTensor) and grad.dtype != wanted:
+        if wanted is not None and grad.dtype != wanted:  # every gradient of the group: FSDP2 reduces them as one
             grad = grad.to(wanted)
         return inner(fsdp_param, grad)
 

@@ -207,6 +207,7 @@ def iter_gate(
     seed: int | None = None,
     rank_output: str | None = None,
     judge: Callable[[Property, RankPool, Stats], Judge] | None = None,
+    selected: set[tuple[str, int]] | None = None,
 ) -> Iterator[Outcome]:
     """Each property's outcome as it comes, so that a run cut short keeps what it found.
 
@@ -217,12 +218,13 @@ def iter_gate(
     its pool (tpdp_verify.runner.replay: the baseline run on each failure's case);
     ``learn``: search on past each failure found, to write a baseline; ``seed``: draw other
     cases than the profile's fixed ones; ``rank_output``: a directory for the ranks' stdout
-    and stderr (RankPool's output), else the terminal.
+    and stderr (RankPool's output), else the terminal; ``selected``: the searches (name,
+    world size) to make, of all the profile's (tpdp_verify.runner.selection).
     """
     impl_mod.load(impl)  # a bad --impl fails here, in one line, before any rank starts
     if seed is not None:
         profile = dataclasses.replace(profile, seed=seed)
-    plan = searches(properties, profile)
+    plan = searches(properties, profile, selected)
     total = len(plan)
     done = failed = 0
     start, shrinking = time.monotonic(), 0.0
@@ -248,9 +250,12 @@ def iter_gate(
                 yield outcome
 
 
-def searches(properties: tuple[Property, ...], profile: Profile) -> list[tuple[Property, int]]:
-    """Every search a gate run makes, (property, world size), in the order it makes them."""
-    return [(p, ws) for ws in profile.world_sizes for p in properties if ws >= p.min_world_size]
+def searches(properties: tuple[Property, ...], profile: Profile,
+             selected: set[tuple[str, int]] | None = None) -> list[tuple[Property, int]]:
+    """Every search a gate run makes, (property, world size), in the order it makes them;
+    of ``selected`` only, where given."""
+    return [(p, ws) for ws in profile.world_sizes for p in properties
+            if ws >= p.min_world_size and (selected is None or (p.name, ws) in selected)]
 
 
 def interrupted(left: list[tuple[Property, int]], signal: str, running: float | None, wanted: int) -> list[Outcome]:

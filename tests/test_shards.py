@@ -1,0 +1,132 @@
+"""A gate run split by --shard and put back by merge is the run itself: the same verdicts,
+counts, judgement, exit code and outputs, whatever the split; -k selects searches; a part
+missing, twice or of another run is an error, never a pass."""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tpdp_verify.errors import UsageError
+from tpdp_verify.runner import merge, selection
+
+TESTS = Path(__file__).resolve().parent
+TIMING = ("seconds", "started", "shrink_seconds", "replay_seconds", "rank_output")
+
+
+def gate(*args, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # toy_suite
+    return subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd, env=env)
+
+
+def merged(*paths, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpdp_verify", "merge", *map(str, paths), "--json", "merged.json",
+                           "--junit", "merged.xml"], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def verdict(record: dict) -> dict:
+    """A record without what only timing, or where the parts ran, changes."""
+    keep = {k: v for k, v in record.items() if k not in (*TIMING, "parts", "selection")}
+    keep["properties"] = [{k: v for k, v in p.items() if k not in TIMING} for p in record["properties"]]
+    return keep
+
+
+def cases(junit: Path) -> list[tuple[str, str]]:
+    return [(c.get("name"), next((x.tag for x in c if x.tag in ("failure", "error")), "ok"))
+            for c in ET.parse(junit).getroot().iter("testcase")]
+
+
+def test_shard_parses_k_of_n_and_nothing_else():
+    assert selection.parse("2/4") == (2, 4)
+    for bad in ("0/2", "3/2", "2", "a/b", "1/0", ""):
+        with pytest.raises(UsageError, match="--shard takes K/N"):
+            selection.parse(bad)
+
+
+def test_the_parts_cover_every_search_once_balanced_by_cost_the_same_everywhere():
+    plan = [(f"p{i}", ws) for ws in (2, 4) for i in range(9)]
+    parts = selection.split(plan, 4, 40)
+    assert sorted(s for part in parts for s in part) == sorted(plan)
+    assert parts == selection.split(list(plan), 4, 40)  # deterministic
+    assert all(part == [s for s in plan if s in part] for part in parts)  # each in the run's order
+    loads = [sum(selection.cost(*s, 40) for s in part) for part in parts]
+    assert max(loads) - min(loads) <= max(selection.cost(*s, 40) for s in plan)  # greedy's guarantee
+
+
+def test_the_measured_costs_name_every_search_of_the_suite():
+    from tpdp_verify.properties import ALL
+    from tpdp_verify.runner.gate import searches
+    from tpdp_verify.runner.profiles import PROFILES
+
+    measured = selection._measured()
+    ci = [selection.search_id(p.name, ws) for p, ws in searches(ALL, PROFILES["ci"])]
+    assert ci and all(sid in measured for sid in ci), sorted(set(ci) - set(measured))
+
+
+def test_k_selects_by_id_as_pytest_does_and_says_when_it_selects_nothing():
+    plan = [("trains_like_one_device", 2), ("trains_like_plain_ddp", 2), ("trains_like_one_device", 4)]
+    assert selection.select(plan, "trains and not plain", None, 40) == [plan[0], plan[2]]
+    assert selection.select(plan, "world4", None, 40) == [plan[2]]
+    with pytest.raises(UsageError, match="selects none of the 3 searches"):
+        selection.select(plan, "checkpoint", None, 40)
+    with pytest.raises(UsageError, match="does not parse"):
+        selection.select(plan, "trains and (", None, 40)
+
+
+@pytest.fixture(scope="module")
+def toy_parts(tmp_path_factory):
+    """The toy suite at ci (4 searches, failing on purpose, no ranks' work): whole, and in 2 and 3 parts."""
+    cwd = tmp_path_factory.mktemp("toy")
+    args = ("--suite", "toy_suite", "--profile", "ci")
+    whole = gate(*args, "--json", "whole.json", "--junit", "whole.xml", cwd=cwd)
+    parts = {n: [gate(*args, "--shard", f"{k}/{n}", "--json", f"part{k}of{n}.json", cwd=cwd) for k in range(1, n + 1)]
+             for n in (2, 3)}
+    return cwd, whole, parts
+
+
+def test_merged_parts_are_the_whole_run(toy_parts):
+    cwd, whole, parts = toy_parts
+    assert whole.returncode == 1, whole.stderr
+    expected = json.loads((cwd / "whole.json").read_text())
+    for n in (2, 3):
+        assert all(p.returncode == 1 or "0 of" in p.stdout for p in parts[n])
+        out = merged(*(f"part{k}of{n}.json" for k in range(1, n + 1)), cwd=cwd)
+        assert out.returncode == expected["exit_code"] == 1, out.stdout + out.stderr
+        got = json.loads((cwd / "merged.json").read_text())
+        assert verdict(got) == verdict(expected)
+        assert [p["shard"] for p in got["parts"]] == [f"{k}/{n}" for k in range(1, n + 1)]
+        assert cases(cwd / "merged.xml") == cases(cwd / "whole.xml")
+
+
+def test_a_part_missing_twice_or_of_another_run_is_an_error(toy_parts, tmp_path):
+    cwd = toy_parts[0]
+    two = cwd / "part1of2.json", cwd / "part2of2.json"
+    for paths, said in [((two[0],), "part 2/2 missing"), ((two[0], two[0], two[1]), "given twice"),
+                        ((two[0], cwd / "part2of3.json"), "is part 2/3, the others of 2 parts"),
+                        ((cwd / "whole.json",), "is a whole run, not a part")]:
+        out = merged(*paths, cwd=tmp_path)
+        assert out.returncode == 2 and said in out.stderr and not (tmp_path / "merged.json").exists(), out.stderr
+    other = json.loads(two[1].read_text()) | {"seed": 7}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    out = merged(two[0], tmp_path / "other.json", cwd=tmp_path)
+    assert out.returncode == 2 and "are parts of different runs (seed: 7 and None)" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(900)
+def test_the_suite_split_in_two_and_merged_gives_the_whole_runs_verdict_against_the_shipped_baseline(tmp_path):
+    args = ("--profile", "smoke", "--baseline", "torch-2.13.0")
+    whole = gate(*args, "--json", "whole.json", "--junit", "whole.xml", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr
+    for k in (1, 2):
+        part = gate(*args, "--shard", f"{k}/2", "--json", f"part{k}.json", cwd=tmp_path)
+        assert part.returncode == 0 and f"shard {k}/2: " in part.stdout, part.stdout[-3000:] + part.stderr
+    out = merged("part1.json", "part2.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got, expected = (json.loads((tmp_path / f).read_text()) for f in ("merged.json", "whole.json"))
+    assert verdict(got) == verdict(expected)
+    assert cases(tmp_path / "merged.xml") == cases(tmp_path / "whole.xml")
