@@ -103,6 +103,24 @@ def test_merged_parts_are_the_whole_run(toy_parts):
         assert cases(cwd / "merged.xml") == cases(cwd / "whole.xml")
 
 
+def test_jobs_run_the_parts_at_once_with_the_whole_runs_outputs(toy_parts, tmp_path):
+    cwd, whole = toy_parts[:2]
+    out = gate("--suite", "toy_suite", "--profile", "ci", "--jobs", "3", "--json", "jobs.json", "--junit", "jobs.xml",
+               cwd=tmp_path)
+    assert out.returncode == 1 and "3 parts at once" in out.stdout and "[3/3] " in out.stdout, out.stdout + out.stderr
+    got, expected = (json.loads(p.read_text()) for p in (tmp_path / "jobs.json", cwd / "whole.json"))
+    assert verdict(got) == verdict(expected) and got["selection"] is None
+    assert cases(tmp_path / "jobs.xml") == cases(cwd / "whole.xml")
+
+
+@pytest.mark.parametrize("args, said", [(["--jobs", "0"], "--jobs takes a positive number"),
+                                        (["--jobs", "2", "--shard", "1/2"], "which --shard cannot take"),
+                                        (["-k", "nothing_of_the_kind"], "selects none of the 2 searches")])
+def test_a_split_that_cannot_be_made_is_one_line(tmp_path, args, said):
+    out = gate("--suite", "toy_suite", "--profile", "ci", *args, cwd=tmp_path)
+    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_part_missing_twice_or_of_another_run_is_an_error(toy_parts, tmp_path):
     cwd = toy_parts[0]
     two = cwd / "part1of2.json", cwd / "part2of2.json"

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                       "'trains and not plain and world4'")
     gate.add_argument("--shard", metavar="K/N", help="only the K-th of N parts of the searches, balanced by "
                       "their measured cost; `tpdp-verify merge` puts the parts' --json files together")
+    gate.add_argument("--jobs", type=int, metavar="N", help="run the searches in N parts at once, each a process "
+                      "with its own ranks (default: as many as the cores and memory hold at the largest "
+                      "world size's ranks each); the same verdict and outputs for any N")
     _verbose_option(gate)
     _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
                     junit="the run as JUnit XML, a test case a property",
@@ -177,6 +180,9 @@ def _gate(args: argparse.Namespace) -> int:
         from tpdp_verify.runner.selection import parse
 
         parse(args.shard)
+    jobs = _jobs(args)
+    if jobs > 1:
+        return _gate_in_parts(args, files, jobs)
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
     replaying = [f"--{o.replace('_', '-')}" for o in ("baseline", "baseline_python", "baseline_impl") if getattr(args, o)]
@@ -190,6 +196,48 @@ def _gate(args: argparse.Namespace) -> int:
     finally:
         if run.side:
             run.side.close(at_once=run.stopped)
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    """How many parts at once: --jobs, else as the machine holds; one where the run is a
+    part already or writes a baseline (the parts would write one file at once)."""
+    from tpdp_verify.runner.jobs import default_jobs
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs takes a positive number of parts, not {args.jobs}")
+    if args.jobs and args.jobs > 1 and (args.shard or args.update_baseline):
+        raise UsageError(f"--jobs runs parts at once, which {'--shard' if args.shard else '--update-baseline'} "
+                         "cannot take: give --jobs 1")
+    if args.shard or args.update_baseline:
+        return 1
+    return args.jobs or default_jobs(profiles.get(args.profile).world_sizes)
+
+
+def _gate_in_parts(args: argparse.Namespace, files: dict[str, str], n: int) -> int:
+    """The run in ``n`` parts at once (tpdp_verify.runner.jobs), its outputs the merged parts'."""
+    from tpdp_verify import outputs
+    from tpdp_verify.impls import select as impl_mod
+    from tpdp_verify.runner import jobs, merge
+    from tpdp_verify.runner.suite import load as load_suite
+
+    impl_mod.load(args.impl)  # what a part would refuse, refused once, here, before any part starts
+    run = _GateRun(args, files)
+    run.suite = load_suite(args.suite)
+    _select(args, run)
+    given = {"--profile": args.profile, "--impl": args.impl, "--backend": args.backend, "--timeout": args.timeout,
+             "--suite": args.suite, "--seed": args.seed, "-k": args.keyword, "--baseline": args.baseline,
+             "--baseline-python": args.baseline_python, "--baseline-impl": args.baseline_impl}
+    gate_args = [x for option, value in given.items() if value is not None for x in (option, str(value))]
+    print(f"{n} parts at once, each a gate process with its own ranks", flush=True)
+    parts, stopped = jobs.run(gate_args + ["-v"] * args.verbose, n, lambda line: print(line, flush=True))
+    merged = merge.merge(parts)
+    print()
+    print(merge.summary(merged, "gate"))
+    outputs.write(files, merged)
+    if stopped:
+        print(f"tpdp-verify: interrupted by {stopped.name}: each part wrote what it judged"
+              + (f"; written to {', '.join(files.values())}" if files else ""), file=sys.stderr)
+    return merged["exit_code"]
 
 
 class _GateRun:

@@ -51,7 +51,9 @@ def merge(records: list[tuple[str, dict]]) -> dict:
         "interrupted": {**stopped[0], "not_run": [x for s in stopped for x in s["not_run"]]} if stopped else None,
         "baseline": _judgement([r["baseline"] for r in parts]),
         "counts": counts,
-        "selection": {**first["selection"], "shard": None, "searches": plan},
+        # the run's own: -k's where given, else the whole suite's (null, as a run in one process)
+        "selection": {**first["selection"], "shard": None, "searches": plan} if first["selection"]["keyword"]
+        else None,
         "parts": [{"shard": r["selection"]["shard"], "seconds": r["seconds"], "exit_code": r["exit_code"],
                    "started": r["started"]} for r in parts],
         "properties": properties,
@@ -126,10 +128,10 @@ def _exit_code(merged: dict, parts: list[dict]) -> int:
     return EXIT_DIVERGENCE if counts.get("diverges") else EXIT_OK
 
 
-def summary(merged: dict) -> str:
-    """What merge prints: each part, each search's verdict, and the whole run's."""
+def summary(merged: dict, command: str = "merge") -> str:
+    """What merge (or gate --jobs) prints: each part, each search's verdict, and the whole run's."""
     c = merged["counts"]
-    out = [f"tpdp-verify merge: {len(merged['parts'])} parts of profile {merged['profile']}, implementation "
+    out = [f"tpdp-verify {command}: {len(merged['parts'])} parts of profile {merged['profile']}, implementation "
            f"{merged['impl']}, torch {merged['torch']}"]
     out += [f"  part {p['shard']}: exit {p['exit_code']} in {p['seconds']:.1f} s" for p in merged["parts"]]
     out += [f"{p['name']:<38} world {p['world_size']}  {p['status'].upper():<8} {p['drawn']:>4} drawn  "

@@ -91,3 +91,17 @@ def select(plan: list[tuple[str, int]], expression: str | None, shard: str | Non
         k, n = parse(shard)
         plan = split(plan, n, max_examples)[k - 1]
     return plan
+
+
+def measure(record: dict) -> dict:
+    """costs.json's content from the --json record of a whole ci run (2 cores)."""
+    if record.get("profile") != "ci" or record.get("selection"):
+        raise UsageError("measure costs from a whole `gate --profile ci` run's --json record")
+    seconds = {search_id(p["name"], p["world_size"]): p["seconds"] for p in record["properties"]}
+    return {"measured": f"gate --profile ci, torch {record['torch']}, 2 cores", "seconds": seconds}
+
+
+if __name__ == "__main__":  # python -m tpdp_verify.runner.selection GATE.json: write costs.json from a ci run
+    import sys
+
+    COSTS.write_text(json.dumps(measure(json.loads(Path(sys.argv[1]).read_text())), indent=1) + "\n")
