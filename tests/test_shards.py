@@ -1,6 +1,7 @@
 """A gate run split by --shard and put back by merge is the run itself: the same verdicts,
-counts, judgement, exit code and outputs, whatever the split; -k selects searches; a part
-missing, twice or of another run is an error, never a pass."""
+counts, judgement, exit code and outputs, whatever the split, and so is --jobs and the suite
+run as pytest items over pytest-xdist workers; -k selects searches; a part missing, twice or
+of another run is an error, never a pass."""
 
 import json
 import os
@@ -148,3 +149,22 @@ def test_the_suite_split_in_two_and_merged_gives_the_whole_runs_verdict_against_
     got, expected = (json.loads((tmp_path / f).read_text()) for f in ("merged.json", "whole.json"))
     assert verdict(got) == verdict(expected)
     assert cases(tmp_path / "merged.xml") == cases(tmp_path / "whole.xml")
+
+
+@pytest.mark.timeout(900)
+def test_the_suite_as_pytest_items_over_two_workers_gives_the_gates_verdicts(tmp_path):
+    """pytest --pyargs tpdp_verify.properties -n 2: an item per search, passing exactly
+    where the gate's search passes or holds only known faults."""
+    args = ("--profile", "smoke", "--baseline", "torch-2.13.0")
+    whole = gate(*args, "--json", "whole.json", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr
+    items = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "tpdp_verify.properties", "-p",
+                            "no:cacheprovider", "--tpdp-profile", "smoke", "--tpdp-baseline", "torch-2.13.0", "-n", "2",
+                            "--junitxml", "items.xml", "-q"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert items.returncode == 0, items.stdout[-3000:] + items.stderr[-2000:]
+    verdicts = {f"{p['name']}[world_size={p['world_size']}]": p["status"] in ("pass", "known")
+                for p in json.loads((tmp_path / "whole.json").read_text())["properties"]}
+    assert {name: status == "ok" for name, status in cases(tmp_path / "items.xml")} == verdicts
+    known = {p.get("value") for p in ET.parse(tmp_path / "items.xml").getroot().iter("property")
+             if p.get("name") == "known"}
+    assert known  # the known faults an item passes with are in its JUnit properties

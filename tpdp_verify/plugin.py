@@ -1,4 +1,5 @@
-"""pytest plugin: rank pools, the implementation under test and the run profile as fixtures.
+"""pytest plugin: rank pools, the implementation under test and the run profile as fixtures;
+and the conformance suite as items (``pytest --pyargs tpdp_verify.properties``: tpdp_verify.collect).
 
 Registered through the ``pytest11`` entry point; disable with ``-p no:tpdp_verify``.
 Every option has an ini key of the same name (``--tpdp-world-size`` / ``tpdp_world_size``);
@@ -18,6 +19,9 @@ OPTIONS = {
     "impl": ("torch", "implementation under test: torch, reference or a dotted path"),
     "profile": ("ci", "run profile: smoke, ci or release"),
     "timeout": ("120", "seconds one check may take before its ranks count as hung"),
+    "suite": ("tpdp_verify.properties", "the suite module collected as items, one a property and world size"),
+    "baseline": ("", "the suite's known divergences (a file, or a shipped name such as torch-2.13.0)"),
+    "seed": ("", "draw other cases than the profile's fixed ones"),
 }
 
 
@@ -37,6 +41,19 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_collect_file(file_path, parent: pytest.Collector):
+    from tpdp_verify.collect import suite_file
+
+    return suite_file(file_path, parent, _option(parent.config, "suite"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tpdp_verify.collect import RUN
+
+    if RUN in config.stash:
+        config.stash[RUN].close()
+
+
 def _option(config: pytest.Config, key: str) -> str:
     value = config.getoption(f"tpdp_{key}")
     return value if value is not None else config.getini(f"tpdp_{key}")
@@ -45,14 +62,14 @@ def _option(config: pytest.Config, key: str) -> str:
 class Pools:
     """The session's pools, one per world size, started on first use."""
 
-    def __init__(self, backend: str, timeout: float):
-        self.backend, self.timeout = backend, timeout
+    def __init__(self, backend: str, timeout: float, output: str | None = None):
+        self.backend, self.timeout, self.output = backend, timeout, output
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world_size: int) -> RankPool:
         if world_size not in self._pools:
             self._pools[world_size] = RankPool(world_size, self.backend, timeout=self.timeout,
-                                              max_rss_growth=MAX_RSS_GROWTH)
+                                              max_rss_growth=MAX_RSS_GROWTH, output=self.output)
         return self._pools[world_size]
 
     def close(self) -> None:

@@ -1,0 +1,134 @@
+"""The conformance suite as pytest items: ``pytest --pyargs tpdp_verify.properties``.
+
+One item per property and world size of the profile (``trains_like_one_device[world_size=2]``),
+run by the gate's own runner: the same search (``check_property``), judged by the same
+baseline (``baseline.judge``, the entries of that property and world size), reported with
+the same text, signature and replay. An item passes, passes with its known faults listed
+(``known`` in its JUnit properties), or fails with the report the CLI prints. Each pytest
+process (a pytest-xdist worker too) keeps its own pools, one per world size, so ``-k``,
+``--junitxml`` and ``-n`` work as on any suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+RUN = pytest.StashKey["SuiteRun"]()
+
+
+def suite_file(file_path: Path, parent: pytest.Collector, suite: str) -> pytest.Collector | None:
+    """The collector of ``suite``'s items, where ``file_path`` is that module's file."""
+    if file_path.suffix != ".py":
+        return None
+    try:
+        spec = importlib.util.find_spec(suite)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None or Path(spec.origin).resolve() != file_path.resolve():
+        return None
+    return SuiteFile.from_parent(parent, path=file_path, suite=suite)
+
+
+class SuiteFile(pytest.File):
+    def __init__(self, *, suite: str, **kwargs):
+        super().__init__(**kwargs)
+        self.suite = suite
+
+    def collect(self):
+        from tpdp_verify.runner.gate import searches
+        from tpdp_verify.runner.selection import search_id
+        from tpdp_verify.runner.suite import load
+
+        run = suite_run(self.config)
+        for prop, world_size in searches(load(self.suite).properties, run.profile):
+            yield Search.from_parent(self, name=search_id(prop.name, world_size), prop=prop, world_size=world_size)
+
+
+class SearchFailed(Exception):
+    """A search with a blocking finding, or no verdict: its outcome says which."""
+
+    def __init__(self, outcome):
+        super().__init__(outcome.status)
+        self.outcome = outcome
+
+
+class Search(pytest.Item):
+    """One search of the suite: a property on a pool of ``world_size`` ranks."""
+
+    def __init__(self, *, prop, world_size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.prop, self.world_size = prop, world_size
+
+    def runtest(self) -> None:
+        outcome = suite_run(self.config).search(self.prop, self.world_size)
+        known = [f.kind for f in outcome.findings if f.status == "known"]
+        if known:
+            self.user_properties.append(("known", "; ".join(known)))
+        if outcome.status not in ("pass", "known"):
+            raise SearchFailed(outcome)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, SearchFailed):
+            from tpdp_verify.runner.gate import outcome_report
+
+            return outcome_report(excinfo.value.outcome)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+class SuiteRun:
+    """A pytest process's share of a gate run: its pools, the baseline, and the shrinking
+    and rerun budgets the gate spends over all its searches."""
+
+    def __init__(self, profile, impl: str, backend: str, timeout: float, baseline: str, rank_output: str | None):
+        from tpdp_verify.plugin import Pools
+        from tpdp_verify.runner import baseline as baselines
+
+        self.profile, self.impl, self.backend, self.timeout = profile, impl, backend, timeout
+        self.pools = Pools(backend, timeout, rank_output)
+        self.entries = baselines.load(baseline)[1] if baseline else None
+        self.shrunk = self.reran = 0.0
+
+    def search(self, prop, world_size: int):
+        from tpdp_verify.runner import baseline
+        from tpdp_verify.runner.gate import check_property, rerunner
+
+        profile = self.profile.with_shrinking_left(self.profile.shrink_total - self.shrunk)
+        known = None if self.entries is None else baseline.regional_parts(self.entries).get(prop.name, {})
+        outcome = check_property(prop, self.pools.get(world_size), self.impl, profile, known=known)
+        self.shrunk += outcome.stats.shrink_seconds
+        if self.entries is not None:
+            listed = [e for e in self.entries if (e.property, e.world_size) == (prop.name, world_size)]
+            start = time.monotonic()
+            with rerunner((prop,), self.impl, self.backend, self.timeout) as rerun:
+                baseline.judge([outcome], listed, rerun, max(0.0, self.profile.rerun_total - self.reran))
+            self.reran += time.monotonic() - start
+        return outcome
+
+    def close(self) -> None:
+        self.pools.close()
+
+
+def suite_run(config: pytest.Config) -> SuiteRun:
+    """The process's SuiteRun, made on first use from the plugin's options."""
+    from tpdp_verify.plugin import _option
+    from tpdp_verify.runner import profiles
+
+    if RUN not in config.stash:
+        profile = profiles.get(_option(config, "profile"))
+        seed = _option(config, "seed")
+        if seed:
+            profile = dataclasses.replace(profile, seed=int(seed))
+        # the ranks' output (torch's warnings, gloo's logs) in files, as the gate keeps it, unless -s
+        logs = None if config.getoption("capture") == "no" else tempfile.mkdtemp(prefix="tpdp-verify-ranks-")
+        config.stash[RUN] = SuiteRun(profile, _option(config, "impl"), _option(config, "backend"),
+                                     float(_option(config, "timeout")), _option(config, "baseline"), logs)
+    return config.stash[RUN]
