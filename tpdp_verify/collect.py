@@ -12,6 +12,7 @@ process (a pytest-xdist worker too) keeps its own pools, one per world size, so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import tempfile
 import time
@@ -45,7 +46,7 @@ class SuiteFile(pytest.File):
         from tpdp_verify.runner.selection import search_id
         from tpdp_verify.runner.suite import load
 
-        run = suite_run(self.config)
+        run = self.config.stash[RUN]
         for prop, world_size in searches(load(self.suite).properties, run.profile):
             yield Search.from_parent(self, name=search_id(prop.name, world_size), prop=prop, world_size=world_size)
 
@@ -66,7 +67,7 @@ class Search(pytest.Item):
         self.prop, self.world_size = prop, world_size
 
     def runtest(self) -> None:
-        outcome = suite_run(self.config).search(self.prop, self.world_size)
+        outcome = self.config.stash[RUN].search(self.prop, self.world_size)
         known = [f.kind for f in outcome.findings if f.status == "known"]
         if known:
             self.user_properties.append(("known", "; ".join(known)))
@@ -85,17 +86,31 @@ class Search(pytest.Item):
 
 
 class SuiteRun:
-    """A pytest process's share of a gate run: its pools, the baseline, and the shrinking
-    and rerun budgets the gate spends over all its searches."""
+    """A pytest process's share of a gate run, from the plugin's options: its pools, the
+    baseline, and the shrinking and rerun budgets the gate spends over all its searches."""
 
-    def __init__(self, profile, impl: str, backend: str, timeout: float, baseline: str, rank_output: str | None):
-        from tpdp_verify.plugin import Pools
-        from tpdp_verify.runner import baseline as baselines
+    def __init__(self, profile: str, impl: str, backend: str, timeout: str, baseline: str, seed: str,
+                 rank_output: bool):
+        from tpdp_verify.runner import profiles
 
-        self.profile, self.impl, self.backend, self.timeout = profile, impl, backend, timeout
-        self.pools = Pools(backend, timeout, rank_output)
-        self.entries = baselines.load(baseline)[1] if baseline else None
+        self.profile = profiles.get(profile)
+        self.profile = dataclasses.replace(self.profile, seed=int(seed)) if seed else self.profile
+        self.impl, self.backend, self.timeout, self.baseline = impl, backend, float(timeout), baseline
+        self.rank_output = rank_output
         self.shrunk = self.reran = 0.0
+
+    @functools.cached_property
+    def pools(self):
+        from tpdp_verify.ranks.pool import Pools
+
+        return Pools(self.backend, self.timeout, tempfile.mkdtemp(prefix="tpdp-verify-ranks-") if self.rank_output
+                     else None)
+
+    @functools.cached_property
+    def entries(self):
+        from tpdp_verify.runner import baseline
+
+        return baseline.load(self.baseline)[1] if self.baseline else None
 
     def search(self, prop, world_size: int):
         from tpdp_verify.runner import baseline
@@ -114,21 +129,5 @@ class SuiteRun:
         return outcome
 
     def close(self) -> None:
-        self.pools.close()
-
-
-def suite_run(config: pytest.Config) -> SuiteRun:
-    """The process's SuiteRun, made on first use from the plugin's options."""
-    from tpdp_verify.plugin import _option
-    from tpdp_verify.runner import profiles
-
-    if RUN not in config.stash:
-        profile = profiles.get(_option(config, "profile"))
-        seed = _option(config, "seed")
-        if seed:
-            profile = dataclasses.replace(profile, seed=int(seed))
-        # the ranks' output (torch's warnings, gloo's logs) in files, as the gate keeps it, unless -s
-        logs = None if config.getoption("capture") == "no" else tempfile.mkdtemp(prefix="tpdp-verify-ranks-")
-        config.stash[RUN] = SuiteRun(profile, _option(config, "impl"), _option(config, "backend"),
-                                     float(_option(config, "timeout")), _option(config, "baseline"), logs)
-    return config.stash[RUN]
+        if "pools" in self.__dict__:
+            self.pools.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
+from tpdp_verify.ranks.pool import Pools, RankPool
 from tpdp_verify.runner import profiles
 
 OPTIONS = {
@@ -42,9 +42,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collect_file(file_path, parent: pytest.Collector):
-    from tpdp_verify.collect import suite_file
+    from tpdp_verify.collect import RUN, SuiteRun, suite_file
 
-    return suite_file(file_path, parent, _option(parent.config, "suite"))
+    config = parent.config
+    if RUN not in config.stash:
+        # the ranks' output (torch's warnings, gloo's logs) in files, as the gate keeps it, unless -s
+        config.stash[RUN] = SuiteRun(*(_option(config, k) for k in ("profile", "impl", "backend", "timeout",
+                                                                     "baseline", "seed")),
+                                     rank_output=config.getoption("capture") != "no")
+    return suite_file(file_path, parent, _option(config, "suite"))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -57,25 +63,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _option(config: pytest.Config, key: str) -> str:
     value = config.getoption(f"tpdp_{key}")
     return value if value is not None else config.getini(f"tpdp_{key}")
-
-
-class Pools:
-    """The session's pools, one per world size, started on first use."""
-
-    def __init__(self, backend: str, timeout: float, output: str | None = None):
-        self.backend, self.timeout, self.output = backend, timeout, output
-        self._pools: dict[int, RankPool] = {}
-
-    def get(self, world_size: int) -> RankPool:
-        if world_size not in self._pools:
-            self._pools[world_size] = RankPool(world_size, self.backend, timeout=self.timeout,
-                                              max_rss_growth=MAX_RSS_GROWTH, output=self.output)
-        return self._pools[world_size]
-
-    def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
-        self._pools.clear()
 
 
 @pytest.fixture(scope="session")

@@ -773,3 +773,22 @@ class RankPool:
             )
         message += f"\n--- rank {first} ---\n{errors[first][1].rstrip()}"
         raise RankFailed(message, {r: e[1] for r, e in errors.items()}, exceptions, stuck)
+
+
+class Pools:
+    """Pools of ranks, one per world size, each started on first use (a pytest session's)."""
+
+    def __init__(self, backend: str, timeout: float, output: str | None = None):
+        self.backend, self.timeout, self.output = backend, timeout, output
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size, self.backend, timeout=self.timeout,
+                                              max_rss_growth=MAX_RSS_GROWTH, output=self.output)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
