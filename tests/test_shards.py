@@ -136,34 +136,40 @@ def test_a_part_missing_twice_or_of_another_run_is_an_error(toy_parts, tmp_path)
     assert out.returncode == 2 and "are parts of different runs (seed: 7 and None)" in out.stderr, out.stderr
 
 
-@pytest.mark.timeout(900)
-def test_the_suite_split_in_two_and_merged_gives_the_whole_runs_verdict_against_the_shipped_baseline(tmp_path):
-    args = ("--profile", "smoke", "--baseline", "torch-2.13.0")
-    whole = gate(*args, "--json", "whole.json", "--junit", "whole.xml", cwd=tmp_path)
+SMOKE = ("--profile", "smoke", "--baseline", "torch-2.13.0")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The suite at smoke against the shipped baseline, whole: what the splits must give."""
+    cwd = tmp_path_factory.mktemp("smoke")
+    whole = gate(*SMOKE, "--json", "whole.json", "--junit", "whole.xml", cwd=cwd)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr
+    return cwd
+
+
+@pytest.mark.timeout(900)
+def test_the_suite_split_in_two_and_merged_gives_the_whole_runs_verdict_against_the_shipped_baseline(smoke, tmp_path):
     for k in (1, 2):
-        part = gate(*args, "--shard", f"{k}/2", "--json", f"part{k}.json", cwd=tmp_path)
+        part = gate(*SMOKE, "--shard", f"{k}/2", "--json", f"part{k}.json", cwd=tmp_path)
         assert part.returncode == 0 and f"shard {k}/2: " in part.stdout, part.stdout[-3000:] + part.stderr
     out = merged("part1.json", "part2.json", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    got, expected = (json.loads((tmp_path / f).read_text()) for f in ("merged.json", "whole.json"))
+    got, expected = json.loads((tmp_path / "merged.json").read_text()), json.loads((smoke / "whole.json").read_text())
     assert verdict(got) == verdict(expected)
-    assert cases(tmp_path / "merged.xml") == cases(tmp_path / "whole.xml")
+    assert cases(tmp_path / "merged.xml") == cases(smoke / "whole.xml")
 
 
 @pytest.mark.timeout(900)
-def test_the_suite_as_pytest_items_over_two_workers_gives_the_gates_verdicts(tmp_path):
+def test_the_suite_as_pytest_items_over_two_workers_gives_the_gates_verdicts(smoke, tmp_path):
     """pytest --pyargs tpdp_verify.properties -n 2: an item per search, passing exactly
     where the gate's search passes or holds only known faults."""
-    args = ("--profile", "smoke", "--baseline", "torch-2.13.0")
-    whole = gate(*args, "--json", "whole.json", cwd=tmp_path)
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr
     items = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "tpdp_verify.properties", "-p",
                             "no:cacheprovider", "--tpdp-profile", "smoke", "--tpdp-baseline", "torch-2.13.0", "-n", "2",
                             "--junitxml", "items.xml", "-q"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert items.returncode == 0, items.stdout[-3000:] + items.stderr[-2000:]
     verdicts = {f"{p['name']}[world_size={p['world_size']}]": p["status"] in ("pass", "known")
-                for p in json.loads((tmp_path / "whole.json").read_text())["properties"]}
+                for p in json.loads((smoke / "whole.json").read_text())["properties"]}
     assert {name: status == "ok" for name, status in cases(tmp_path / "items.xml")} == verdicts
     known = {p.get("value") for p in ET.parse(tmp_path / "items.xml").getroot().iter("property")
              if p.get("name") == "known"}
