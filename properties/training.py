@@ -301,17 +301,17 @@ def every_clip(strategies: dict) -> list[dict]:
 
 
 def every_reduction(strategies: dict) -> list[dict]:
-    """Every model's simplest case, then the sequence-parallel model's through each FSDP2
+    """Every model's simplest case, then each sequence-parallel model's through each FSDP2
     entry point under a mixed-precision policy, with a step's gradients and with gradients
     accumulated over two microbatches: TP sums its norms' partial gradients, in the
     policy's reduce_dtype by FSDP2's contract (tpdp_verify.judging.reductions), on two paths
     through FSDP2."""
-    sp = _simplest(strategies["case"], "llama_sp")
+    found = (_simplest(strategies["case"], m) for m in ("llama_sp", "llama_lm"))
     policy = FSDP2Options(mixed_precision=HALF[0])
     return every_model(strategies) + [
-        {"case": dataclasses.replace(sp, entry=e, ddp=DDPOptions(), fsdp=policy, habits=Habits(), built="after_wrap",
+        {"case": dataclasses.replace(c, entry=e, ddp=DDPOptions(), fsdp=policy, habits=Habits(), built="after_wrap",
                                      accumulate=a)}
-        for e in FSDP2_ENTRIES for a in (1, 2) if sp is not None]
+        for c in found if c is not None for e in FSDP2_ENTRIES for a in (1, 2)]
 
 
 def sound_cases(world_size: int, half: bool = False) -> st.SearchStrategy[TrainCase]:
