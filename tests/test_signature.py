@@ -49,6 +49,16 @@ def test_the_innermost_run_of_torch_is_the_one_named():
     assert part((HARNESS, "check")) == "raised:RuntimeError"
 
 
+def test_a_tap_inside_torchs_call_is_torchs_own_frame():
+    """A handler or reduction step tpdp-verify notes (ranks/taps.py) between torch's frames
+    leaves the part as torch would have it: the run of torch is not cut at the tap."""
+    tap = os.path.join(os.path.dirname(signature.__file__), "ranks", "taps.py")
+    frames = [(HARNESS, "step"), ("_tensor.py", "backward"), ("distributed/tensor/_api.py", "__torch_dispatch__")]
+    assert part(*frames, (tap, "handle"), ("distributed/tensor/parallel/loss.py", "_nll_loss_forward_handler")) == \
+        part(*frames, ("distributed/tensor/parallel/loss.py", "_nll_loss_forward_handler")) == \
+        "raised:RuntimeError at torch/_tensor.py:backward"
+
+
 def test_a_real_exception_keeps_its_innermost_frame_as_a_detail():
     try:
         torch.optim.SGD([], lr=0.1)

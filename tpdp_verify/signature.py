@@ -132,6 +132,8 @@ def _short(filename: str) -> str:
 # Call machinery: every module call, every function torch decorates (no_grad, DCP's
 # logging) passes it, so it names no API; the decorated function within does
 _CALLING = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py", "torch/distributed/checkpoint/logger.py")
+# tpdp-verify's taps (ranks/taps.py): its functions inside torch's calls, noting what passes
+_TAPS = "tpdp_verify/ranks/taps.py"
 _WRAPPERS = ("wrapper", "_no_grad_wrapper", "decorate_context")
 
 
@@ -144,8 +146,8 @@ def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
     forward raised), the last run it went through before."""
     runs: list[list[tuple[str, str]]] = [[]]
     for frame in frames:
-        if frame[0].startswith("<") or _stdlib(frame[0]):
-            continue  # generated code (a dataclass's __init__), contextlib, functools: the caller's
+        if frame[0].startswith("<") or _stdlib(frame[0]) or _short(frame[0]) == _TAPS:
+            continue  # generated code (a dataclass's __init__), contextlib, functools, a tap: the caller's
         if not _harness(frame[0]):
             runs[-1].append(frame)
         elif runs[-1]:

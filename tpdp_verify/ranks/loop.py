@@ -19,6 +19,7 @@ from torch import nn
 from tpdp_verify import signature
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.fixtures.zoo import ZOO, Fixture
+from tpdp_verify.ranks import taps
 from tpdp_verify.ranks.observation import Observation
 from tpdp_verify.ranks.pool import caught
 
@@ -493,17 +494,10 @@ def maybe_loss_parallel(on: bool, seen: set[str] | None = None):
 
     handlers = loss.customized_loss_ops  # read when loss_parallel() enters and exits
     if seen is not None:
-        loss.customized_loss_ops = {op: _noted(op, handler, seen) for op, handler in handlers.items()}
+        loss.customized_loss_ops = {op: taps.noting(op, handler, seen) for op, handler in handlers.items()}
     try:
         with loss_parallel():
             yield
     finally:
         loss.customized_loss_ops = handlers
 
-
-def _noted(op, handler, seen: set[str]):
-    def handle(*args, **kwargs):
-        seen.add(op._schema.name.removeprefix("aten::"))
-        return handler(*args, **kwargs)
-
-    return handle

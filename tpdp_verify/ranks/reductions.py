@@ -17,6 +17,8 @@ from typing import Iterator, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from tpdp_verify.ranks import taps
+
 
 class Reduction(NamedTuple):
     """One gradient TP reduced on this rank: its partial sum, and the result FSDP2 reduces over dp."""
@@ -42,16 +44,15 @@ def watching(seen: list[Reduction]) -> Iterator[None]:
 
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    def watched(fsdp_param, grad):
+    def partial_of(grad):
         grad = grad.wait() if isinstance(grad, AsyncCollectiveTensor) else grad  # as torch's own does first
-        local = grad._local_tensor.detach().clone() if isinstance(grad, DTensor) and any(
-            p.is_partial() for p in grad.placements) else None
-        out = inner(fsdp_param, grad)
-        if local is not None:
-            seen.append(Reduction(fsdp_param._param_fqn or "", local, out.detach().clone()))
-        return out
+        partial = isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
+        return grad._local_tensor.detach().clone() if partial else None
 
-    FSDPParam._get_grad_inner_tensor = watched
+    def record(fsdp_param, partial, out):
+        seen.append(Reduction(fsdp_param._param_fqn or "", partial, out.detach().clone()))
+
+    FSDPParam._get_grad_inner_tensor = taps.watching(inner, partial_of, record)
     try:
         yield
     finally:
