@@ -130,6 +130,10 @@ def test_a_part_missing_twice_or_of_another_run_is_an_error(toy_parts, tmp_path)
                         ((cwd / "whole.json",), "is a whole run, not a part")]:
         out = merged(*paths, cwd=tmp_path)
         assert out.returncode == 2 and said in out.stderr and not (tmp_path / "merged.json").exists(), out.stderr
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in json.loads(two[1].read_text()).items()
+                                                   if k != "selection"}))
+    out = merged(two[0], tmp_path / "old.json", cwd=tmp_path)
+    assert out.returncode == 2 and "old.json lacks selection" in out.stderr, out.stderr
     other = json.loads(two[1].read_text()) | {"seed": 7}
     (tmp_path / "other.json").write_text(json.dumps(other))
     out = merged(two[0], tmp_path / "other.json", cwd=tmp_path)

@@ -13,11 +13,14 @@ import json
 from pathlib import Path
 
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, UsageError
+from tpdp_verify.runner.selection import parse
 
 # What the parts of one run share.
 SAME = ("command", "schema", "tpdp_verify", "torch", "impl", "profile", "max_examples", "seed", "backend",
         "world_sizes", "shrink_total")
 JUDGED = ("new", "changed", "fixed", "known", "not_rerun")  # an entry's status where its search ran
+# What merge reads of a part, beyond SAME.
+READ = ("selection", "counts", "properties", "seconds", "started", "exit_code", "error", "baseline", "interrupted")
 
 
 def load(path: str) -> dict:
@@ -27,8 +30,12 @@ def load(path: str) -> dict:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     except ValueError:
         raise UsageError(f"{path} is not JSON: give the --json files of `tpdp-verify gate --shard K/N` runs") from None
-    if not isinstance(record, dict) or record.get("command") != "gate" or "properties" not in record:
+    if not isinstance(record, dict) or record.get("command") != "gate":
         raise UsageError(f"{path} is not a gate record: give the --json files of `tpdp-verify gate --shard K/N` runs")
+    lacks = [key for key in (*SAME, *READ) if key not in record]
+    if lacks:
+        raise UsageError(f"{path} lacks {', '.join(lacks)}: a gate record of another tpdp-verify; run the parts "
+                         "again with this one")
     return record
 
 
@@ -72,7 +79,10 @@ def _parts(records: list[tuple[str, dict]]) -> list[dict]:
         shard = (record.get("selection") or {}).get("shard")
         if not shard:
             raise UsageError(f"{path} is a whole run, not a part: merge takes the --json files of `gate --shard K/N`")
-        k, parts = (int(x) for x in shard.split("/"))
+        try:
+            k, parts = parse(shard)
+        except UsageError:
+            raise UsageError(f"{path} names its part {shard!r}, not K/N: a gate record of another tool?") from None
         if n is not None and parts != n:
             raise UsageError(f"{path} is part {shard}, the others of {n} parts: give the parts of one split")
         n = parts
