@@ -56,7 +56,7 @@ def test_the_parts_cover_every_search_once_balanced_by_cost_the_same_everywhere(
     assert parts == selection.split(list(plan), 4, 40)  # deterministic
     assert all(part == [s for s in plan if s in part] for part in parts)  # each in the run's order
     loads = [sum(selection.cost(*s, 40) for s in part) for part in parts]
-    assert max(loads) - min(loads) <= max(selection.cost(*s, 40) for s in plan)  # greedy's guarantee
+    assert max(loads) - min(loads) <= max(selection.cost(*s, 40) for s in plan) + 1e-9  # greedy's guarantee
 
 
 def test_the_measured_costs_name_every_search_of_the_suite():
