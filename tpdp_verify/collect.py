@@ -2,7 +2,7 @@
 
 One item per property and world size of the profile (``trains_like_one_device[world_size=2]``),
 run by the gate's own runner: the same search (``check_property``), judged by the same
-baseline (``baseline.judge``, the entries of that property and world size), reported with
+baseline (``baseline.judge`` over the whole file, as the gate judges), reported with
 the same text, signature and replay. An item passes, passes with its known faults listed
 (``known`` in its JUnit properties), or fails with the report the CLI prints. Each pytest
 process (a pytest-xdist worker too) keeps its own pools, one per world size, so ``-k``,
@@ -120,11 +120,10 @@ class SuiteRun:
         known = None if self.entries is None else baseline.regional_parts(self.entries).get(prop.name, {})
         outcome = check_property(prop, self.pools.get(world_size), self.impl, profile, known=known)
         self.shrunk += outcome.stats.shrink_seconds
-        if self.entries is not None:
-            listed = [e for e in self.entries if (e.property, e.world_size) == (prop.name, world_size)]
-            start = time.monotonic()
+        if self.entries is not None:  # the whole file, as the gate judges: what one world size recorded in a
+            start = time.monotonic()  # region is known at the others too; the others' entries are "not run" here
             with rerunner((prop,), self.impl, self.backend, self.timeout) as rerun:
-                baseline.judge([outcome], listed, rerun, max(0.0, self.profile.rerun_total - self.reran))
+                baseline.judge([outcome], self.entries, rerun, max(0.0, self.profile.rerun_total - self.reran))
             self.reran += time.monotonic() - start
         return outcome
 
