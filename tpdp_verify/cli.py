@@ -180,14 +180,14 @@ def _gate(args: argparse.Namespace) -> int:
         from tpdp_verify.runner.selection import parse
 
         parse(args.shard)
-    jobs = _jobs(args)
-    if jobs > 1:
-        return _gate_in_parts(args, files, jobs)
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
     replaying = [f"--{o.replace('_', '-')}" for o in ("baseline", "baseline_python", "baseline_impl") if getattr(args, o)]
     if len(replaying) > 1:
         raise UsageError(f"{' and '.join(replaying)} are two baselines: give one (a file, or a side to replay on)")
+    jobs = _jobs(args)
+    if jobs > 1:
+        return _gate_in_parts(args, files, jobs)
     run = _GateRun(args, files)
     try:
         return _run_gate(args, run)
@@ -220,7 +220,11 @@ def _gate_in_parts(args: argparse.Namespace, files: dict[str, str], n: int) -> i
     from tpdp_verify.runner import jobs, merge
     from tpdp_verify.runner.suite import load as load_suite
 
+    from tpdp_verify.runner import baseline
+
     impl_mod.load(args.impl)  # what a part would refuse, refused once, here, before any part starts
+    if args.baseline:
+        baseline.load(args.baseline)
     run = _GateRun(args, files)
     run.suite = load_suite(args.suite)
     _select(args, run)

@@ -25,15 +25,18 @@ RUN = pytest.StashKey["SuiteRun"]()
 
 def suite_file(file_path: Path, parent: pytest.Collector, suite: str) -> pytest.Collector | None:
     """The collector of ``suite``'s items, where ``file_path`` is that module's file."""
-    if file_path.suffix != ".py":
+    if file_path.suffix != ".py" or _origin(suite) != file_path.resolve():
         return None
+    return SuiteFile.from_parent(parent, path=file_path, suite=suite)
+
+
+@functools.cache  # asked for every file pytest collects
+def _origin(suite: str) -> Path | None:
     try:
         spec = importlib.util.find_spec(suite)
     except (ImportError, ValueError):
         return None
-    if spec is None or spec.origin is None or Path(spec.origin).resolve() != file_path.resolve():
-        return None
-    return SuiteFile.from_parent(parent, path=file_path, suite=suite)
+    return None if spec is None or spec.origin is None else Path(spec.origin).resolve()
 
 
 class SuiteFile(pytest.File):
