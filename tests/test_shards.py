@@ -29,17 +29,23 @@ def merged(*paths, cwd) -> subprocess.CompletedProcess:
                            "--junit", "merged.xml"], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+HOLDS = {"pass": "holds", "known": "holds"}  # no blocking finding: JUnit passes either
+
+
 def verdict(record: dict) -> dict:
-    """What a record says of the torch under test: its exit code, counts and judgement, and
-    each search's status, draw and blocking findings. Not the seconds, the ranks' log paths,
-    or which recorded cases the rerun budget reached (each part spends its own, and a whole
-    run's reruns vary with its timing too: those reruns only label known entries)."""
+    """What a record says of the torch under test: its exit code, blocking counts and
+    judgement, and each search's verdict, draw and blocking findings. Not the seconds, the
+    ranks' log paths, or which recorded cases the rerun budget reached: each part spends
+    its own (and a whole run's reruns vary with its timing too); a rerun that finds its case
+    still failing labels the entry known, and the search that met no failure "known" with it."""
     b = record["baseline"] or {}
-    searches = [{k: p[k] for k in ("name", "world_size", "status", "drawn", "wanted", "covered", "known_only")}
-                | {"blocking": sorted(f["signature"] for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED"))}
+    searches = [{k: p[k] for k in ("name", "world_size", "drawn", "wanted", "covered", "known_only")}
+                | {"status": HOLDS.get(p["status"], p["status"]),
+                   "blocking": sorted(f["signature"] for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED"))}
                 for p in record["properties"]]
-    return {k: record[k] for k in ("exit_code", "counts", "torch", "impl", "profile", "seed", "world_sizes", "error")} \
-        | {k: b.get(k) for k in ("name", "blocks", "new", "changed")} | {"searches": searches}
+    blocking = {k: record["counts"].get(k, 0) for k in ("diverges", "infra", "interrupted")}
+    return {k: record[k] for k in ("exit_code", "torch", "impl", "profile", "seed", "world_sizes", "error")} \
+        | {k: b.get(k) for k in ("name", "blocks", "new", "changed")} | {"counts": blocking, "searches": searches}
 
 
 def cases(junit: Path) -> list[tuple[str, str]]:

@@ -37,10 +37,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 def within(exc: BaseException) -> Interrupted | None:
-    """The Interrupted that ``exc`` was raised from or while handling, if any. A library may
-    turn the interrupt into an error of its own as it passes (hypothesis, interrupted as its
-    engine starts or as it records a case, fails a check on its own state): that is the
-    interrupt still, never the tool's failure."""
+    """The Interrupted that ``exc`` was raised from or while handling, or, failing that, the
+    one this process received already, if any. A library may turn the interrupt into an
+    error of its own as it passes (hypothesis, interrupted as its engine starts or as it
+    records a case, fails a check on its own state, and may keep no link to the interrupt:
+    its FlakyStrategyDefinition): that is the interrupt still, never the tool's failure."""
     seen: set[int] = set()
     pending = [exc]
     while pending:
@@ -51,7 +52,7 @@ def within(exc: BaseException) -> Interrupted | None:
             return exc
         seen.add(id(exc))
         pending += [exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())]
-    return None
+    return _received
 
 
 def _at_once(signum: int, frame) -> None:
@@ -59,9 +60,14 @@ def _at_once(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
+_received: Interrupted | None = None  # the first signal, within caught()
+
+
 def _first(signum: int, frame) -> None:
+    global _received
     _switch(_first, _at_once)
-    raise Interrupted(signum)
+    _received = Interrupted(signum)
+    raise _received
 
 
 def _switch(old, new) -> None:
@@ -101,7 +107,7 @@ def caught():
     """Within: SIGINT and SIGTERM raise Interrupted, once; in the main thread only (Python's
     rule for handlers). A signal this process was started ignoring stays ignored: a shell
     starts background jobs with SIGINT ignored, and Ctrl-C is not theirs."""
-    global _hook
+    global _hook, _received
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -110,9 +116,11 @@ def caught():
         if handler is not signal.SIG_IGN:
             signal.signal(s, _first)
     _hook, sys.unraisablehook = sys.unraisablehook, _swallowed
+    _received = None
     try:
         yield
     finally:
+        _received = None
         sys.unraisablehook = _hook
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
