@@ -7,17 +7,20 @@ over tp in ``FSDPParam._get_grad_inner_tensor`` before FSDP2's reduce-scatter ov
 16). The reference casts the gradients to ``reduce_dtype`` first, as torch already does for
 a gradient accumulated over microbatches: one dtype for the whole group, which FSDP2's
 reduce-scatter casts to anyway. Installed for a run by ``Transform.patched``; it is the
-only place the reference reaches into FSDP2, whose site it replaces as a fix would.
+only place the reference reaches into FSDP2, whose site it replaces as a fix would
+(``grad_step_replaced``, with which tpdp_verify.ranks.reductions watches the same site).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def summed_in_reduce_dtype() -> Iterator[None]:
+def grad_step_replaced(wrap: Callable) -> Iterator[None]:
+    """FSDP2's ``FSDPParam._get_grad_inner_tensor`` replaced by ``wrap(torch's)`` for the
+    run, torch's put back after it; nothing on a torch whose FSDP2 has no such step."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     except ImportError:
@@ -27,15 +30,21 @@ def summed_in_reduce_dtype() -> Iterator[None]:
     if inner is None:
         yield
         return
-
-    def summed(fsdp_param, grad):
-        wanted = fsdp_param.reduce_dtype
-        if wanted is not None and grad.dtype != wanted:  # every gradient of the group: FSDP2 reduces them as one
-            grad = grad.to(wanted)
-        return inner(fsdp_param, grad)
-
-    FSDPParam._get_grad_inner_tensor = summed
+    FSDPParam._get_grad_inner_tensor = wrap(inner)
     try:
         yield
     finally:
         FSDPParam._get_grad_inner_tensor = inner
+
+
+def summed_in_reduce_dtype():
+    def wrap(inner):
+        def summed(fsdp_param, grad):
+            wanted = fsdp_param.reduce_dtype
+            if wanted is not None and grad.dtype != wanted:  # every gradient of the group: FSDP2 reduces them as one
+                grad = grad.to(wanted)
+            return inner(fsdp_param, grad)
+
+        return summed
+
+    return grad_step_replaced(wrap)

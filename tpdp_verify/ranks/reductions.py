@@ -11,12 +11,12 @@ half-precision ``param_dtype``.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from tpdp_verify.impls.fsdp2_sums import grad_step_replaced
 from tpdp_verify.ranks import taps
 
 
@@ -28,20 +28,9 @@ class Reduction(NamedTuple):
     reduced: torch.Tensor  # this rank's local gradient after it
 
 
-@contextlib.contextmanager
-def watching(seen: list[Reduction]) -> Iterator[None]:
+def watching(seen: list[Reduction]):
     """Record in ``seen`` every gradient of partial placement that FSDP2 reduces, in order
     (nothing on a torch whose FSDP2 has no such step)."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    except ImportError:
-        yield
-        return
-    inner = getattr(FSDPParam, "_get_grad_inner_tensor", None)
-    if inner is None:
-        yield
-        return
-
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     def partial_of(grad):
@@ -52,8 +41,4 @@ def watching(seen: list[Reduction]) -> Iterator[None]:
     def record(fsdp_param, partial, out):
         seen.append(Reduction(fsdp_param._param_fqn or "", partial, out.detach().clone()))
 
-    FSDPParam._get_grad_inner_tensor = taps.watching(inner, partial_of, record)
-    try:
-        yield
-    finally:
-        FSDPParam._get_grad_inner_tensor = inner
+    return grad_step_replaced(lambda inner: taps.watching(inner, partial_of, record))
