@@ -14,6 +14,9 @@ import pytest
 
 from tpdp_verify.errors import UsageError
 from tpdp_verify.runner import merge, selection
+from tpdp_verify.runner.profiles import PROFILES
+
+CI = PROFILES["ci"]
 
 TESTS = Path(__file__).resolve().parent
 
@@ -62,32 +65,44 @@ def test_shard_parses_k_of_n_and_nothing_else():
 
 def test_the_parts_cover_every_search_once_balanced_by_cost_the_same_everywhere():
     plan = [(f"p{i}", ws) for ws in (2, 4) for i in range(9)]
-    parts = selection.split(plan, 4, 40)
+    parts = selection.split(plan, 4, CI)
     assert sorted(s for part in parts for s in part) == sorted(plan)
-    assert parts == selection.split(list(plan), 4, 40)  # deterministic
+    assert parts == selection.split(list(plan), 4, CI)  # deterministic
     assert all(part == [s for s in plan if s in part] for part in parts)  # each in the run's order
-    loads = [sum(selection.cost(*s, 40) for s in part) for part in parts]
-    assert max(loads) - min(loads) <= max(selection.cost(*s, 40) for s in plan) + 1e-9  # greedy's guarantee
+    loads = [sum(selection.cost(*s, CI) for s in part) for part in parts]
+    assert max(loads) - min(loads) <= max(selection.cost(*s, CI) for s in plan) + 1e-9  # greedy's guarantee
 
 
 def test_the_measured_costs_name_every_search_of_the_suite():
     from tpdp_verify.properties import ALL
     from tpdp_verify.runner.gate import searches
-    from tpdp_verify.runner.profiles import PROFILES
 
-    measured = selection._measured()
-    ci = [selection.search_id(p.name, ws) for p, ws in searches(ALL, PROFILES["ci"])]
-    assert ci and all(sid in measured for sid in ci), sorted(set(ci) - set(measured))
+    for name, table in selection._measured().items():
+        wanted = [selection.search_id(p.name, ws) for p, ws in searches(ALL, PROFILES[name])]
+        assert wanted and all(sid in table["seconds"] for sid in wanted), (name, sorted(set(wanted) - set(table["seconds"])))
+    assert "ci" in selection._measured()  # what every profile not measured scales
+
+
+def test_a_profile_costs_what_it_measured_else_what_ci_did_scaled_by_its_examples(monkeypatch):
+    tables = {"ci": {"seconds": {"a[world_size=2]": 2.0, "b[world_size=2]": 4.0}},
+              "release": {"seconds": {"a[world_size=8]": 30.0}}}
+    monkeypatch.setattr(selection, "_measured", lambda: tables)
+    release = PROFILES["release"]
+    assert selection.cost("a", 8, release) == 30.0
+    assert selection.cost("b", 2, release) == 4.0 * release.max_examples / 40
+    assert selection.cost("c", 8, release) == 30.0  # never measured: the median of its own
+    assert selection.cost("c", 2, CI) == 4.0
+    assert selection.cost("c", 2, PROFILES["smoke"]) == 4.0 * 10 / 40
 
 
 def test_k_selects_by_id_as_pytest_does_and_says_when_it_selects_nothing():
     plan = [("trains_like_one_device", 2), ("trains_like_plain_ddp", 2), ("trains_like_one_device", 4)]
-    assert selection.select(plan, "trains and not plain", None, 40) == [plan[0], plan[2]]
-    assert selection.select(plan, "world4", None, 40) == [plan[2]]
+    assert selection.select(plan, "trains and not plain", None, CI) == [plan[0], plan[2]]
+    assert selection.select(plan, "world4", None, CI) == [plan[2]]
     with pytest.raises(UsageError, match="selects none of the 3 searches"):
-        selection.select(plan, "checkpoint", None, 40)
+        selection.select(plan, "checkpoint", None, CI)
     with pytest.raises(UsageError, match="does not parse"):
-        selection.select(plan, "trains and (", None, 40)
+        selection.select(plan, "trains and (", None, CI)
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +188,30 @@ def test_the_suite_split_in_two_and_merged_gives_the_whole_runs_verdict_against_
     got, expected = json.loads((tmp_path / "merged.json").read_text()), json.loads((smoke / "whole.json").read_text())
     assert verdict(got) == verdict(expected)
     assert cases(tmp_path / "merged.xml") == cases(smoke / "whole.xml")
+
+
+def collected(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``pytest --pyargs tpdp_verify.properties --collect-only`` with ``args``: the run and its item names."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "tpdp_verify.properties", "-p", "no:cacheprovider",
+                          "--collect-only", "-q", *args], capture_output=True, text=True, timeout=120)
+    return run, [line.rpartition("::")[2] for line in run.stdout.splitlines() if "::" in line]
+
+
+def test_tpdp_shard_collects_the_gates_part_and_refuses_a_bad_one_in_a_line():
+    from tpdp_verify.properties import ALL
+    from tpdp_verify.runner.gate import searches
+
+    _, whole = collected()
+    plan = [(p.name, ws) for p, ws in searches(ALL, CI)]
+    assert whole == [selection.search_id(*s) for s in plan]
+    parts = [collected("--tpdp-shard", f"{k}/3")[1] for k in (1, 2, 3)]
+    assert parts == [[selection.search_id(*s) for s in selection.select(plan, None, f"{k}/3", CI)] for k in (1, 2, 3)]
+    assert sorted(sum(parts, [])) == sorted(whole)
+    for option in ("--tpdp-shard=4/3", "--tpdp-seed=x", "--tpdp-profile=nightly"):
+        bad, items = collected(option)
+        assert bad.returncode == 4 and not items, bad.stdout + bad.stderr  # pytest's usage error
+        assert "Traceback" not in bad.stderr and bad.stderr.strip().count("\n") == 0, bad.stderr
+        assert "tpdp-verify: " in bad.stderr, bad.stderr
 
 
 @pytest.mark.timeout(900)

@@ -385,8 +385,8 @@ def _select(args: argparse.Namespace, run: _GateRun) -> None:
     if not (args.keyword or args.shard):
         return
     every = [(p.name, ws) for p, ws in searches(run.suite.properties, run.profile)]
-    plan = select(every, args.keyword, None, run.profile.max_examples)
-    mine = select(plan, None, args.shard, run.profile.max_examples)
+    plan = select(every, args.keyword, None, run.profile)
+    mine = select(plan, None, args.shard, run.profile)
     run.selected = set(mine)
     run.selection = {"keyword": args.keyword, "shard": args.shard, "plan": [search_id(*s) for s in plan],
                      "searches": [search_id(*s) for s in mine]}

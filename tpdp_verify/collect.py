@@ -46,11 +46,15 @@ class SuiteFile(pytest.File):
 
     def collect(self):
         from tpdp_verify.runner.gate import searches
-        from tpdp_verify.runner.selection import search_id
+        from tpdp_verify.runner.selection import search_id, select
         from tpdp_verify.runner.suite import load
 
         run = self.config.stash[RUN]
-        for prop, world_size in searches(load(self.suite).properties, run.profile):
+        every = searches(load(self.suite).properties, run.profile)
+        mine = set(select([(p.name, ws) for p, ws in every], None, run.shard or None, run.profile))
+        for prop, world_size in every:
+            if (prop.name, world_size) not in mine:
+                continue  # another part's (--tpdp-shard), as gate --shard leaves it
             yield Search.from_parent(self, name=search_id(prop.name, world_size), prop=prop, world_size=world_size)
 
 
@@ -93,11 +97,15 @@ class SuiteRun:
     baseline, and the shrinking and rerun budgets the gate spends over all its searches."""
 
     def __init__(self, profile: str, impl: str, backend: str, timeout: str, baseline: str, seed: str,
-                 rank_output: bool):
-        from tpdp_verify.runner import profiles
+                 shard: str, rank_output: bool):
+        from tpdp_verify.errors import UsageError
+        from tpdp_verify.runner import profiles, selection
 
         self.profile = profiles.get(profile)
+        if seed and not seed.lstrip("-").isdigit():
+            raise UsageError(f"--tpdp-seed takes a whole number, not {seed!r}")
         self.profile = dataclasses.replace(self.profile, seed=int(seed)) if seed else self.profile
+        self.shard = shard and "{}/{}".format(*selection.parse(shard))  # refused now, not at collection
         self.impl, self.backend, self.timeout, self.baseline = impl, backend, float(timeout), baseline
         self.rank_output = rank_output
         self.shrunk = self.reran = 0.0

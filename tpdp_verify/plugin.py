@@ -22,6 +22,7 @@ OPTIONS = {
     "suite": ("tpdp_verify.properties", "the suite module collected as items, one a property and world size"),
     "baseline": ("", "the suite's known divergences (a file, or a shipped name such as torch-2.13.0)"),
     "seed": ("", "draw other cases than the profile's fixed ones"),
+    "shard": ("", "collect the K-th of N parts of the suite's searches (K/N), balanced by cost as gate --shard"),
 }
 
 
@@ -34,6 +35,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from tpdp_verify.collect import RUN, SuiteRun
+    from tpdp_verify.errors import UsageError
+
+    try:  # the ranks' output (torch's warnings, gloo's logs) in files, as the gate keeps it, unless -s
+        config.stash[RUN] = SuiteRun(*(_option(config, k) for k in ("profile", "impl", "backend", "timeout",
+                                                                     "baseline", "seed", "shard")),
+                                     rank_output=config.getoption("capture") != "no")
+    except UsageError as exc:  # one line before collection, as the gate says it, not a traceback
+        raise pytest.UsageError(f"tpdp-verify: {exc}") from None
     config.addinivalue_line(
         "markers",
         "tpdp(world_size=N, mesh=(dp, tp)): run the test on a pool of N ranks (default "
@@ -42,15 +52,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collect_file(file_path, parent: pytest.Collector):
-    from tpdp_verify.collect import RUN, SuiteRun, suite_file
+    from tpdp_verify.collect import suite_file
 
-    config = parent.config
-    if RUN not in config.stash:
-        # the ranks' output (torch's warnings, gloo's logs) in files, as the gate keeps it, unless -s
-        config.stash[RUN] = SuiteRun(*(_option(config, k) for k in ("profile", "impl", "backend", "timeout",
-                                                                     "baseline", "seed")),
-                                     rank_output=config.getoption("capture") != "no")
-    return suite_file(file_path, parent, _option(config, "suite"))
+    return suite_file(file_path, parent, _option(parent.config, "suite"))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -4,10 +4,10 @@
 expression language: words, ``and``, ``or``, ``not``, parentheses), a word matching as a
 case-insensitive substring of the property's name or of ``worldN``, its world size
 (``-k "trains and not plain and world4"``). ``--shard K/N`` runs the K-th of N parts of the run's searches (property, world size). The
-parts are balanced by each search's measured cost (``costs.json``: seconds at the ci
-profile on 2 cores against torch 2.13.0, scaled by the profile's examples), greedily, the
-costliest first onto the least loaded part: the same split on every machine, whatever
-ran before. A search's verdict depends on that search alone (its draw, and the baseline
+parts are balanced by each search's measured cost (``costs.json``: seconds on 2 cores
+against torch 2.13.0, measured per profile; a profile not measured takes ci's, scaled by
+its examples), greedily, the costliest first onto the least loaded part: the same split
+on every machine, whatever ran before. A search's verdict depends on that search alone (its draw, and the baseline
 entries of its property and world size), so the parts' verdicts put together are the whole
 run's (tpdp_verify.runner.merge).
 """
@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from tpdp_verify.errors import UsageError
+from tpdp_verify.runner.profiles import Profile
 
 COSTS = Path(__file__).with_name("costs.json")
 CI_EXAMPLES = 40  # the examples a search drew where its cost was measured
@@ -33,32 +34,41 @@ def parse(text: str) -> tuple[int, int]:
 
 
 @functools.cache
-def _measured() -> dict[str, float]:
+def _measured() -> dict[str, dict]:
+    """profile name -> {"measured": how, "seconds": search id -> seconds}."""
     try:
-        return json.loads(COSTS.read_text())["seconds"]
-    except (OSError, ValueError, KeyError):
+        tables = json.loads(COSTS.read_text())
+    except (OSError, ValueError):
         return {}
+    return tables if isinstance(tables, dict) else {}
 
 
-def cost(name: str, world_size: int, max_examples: int) -> float:
-    """A search's expected seconds: measured at ci, scaled by the examples it draws; a
-    search never measured (a suite of one's own) costs the median of those that were."""
-    measured = _measured()
-    seconds = measured.get(f"{name}[world_size={world_size}]")
-    if seconds is None:
-        known = sorted(measured.values()) or [1.0]
-        seconds = known[len(known) // 2]
-    return seconds * max_examples / CI_EXAMPLES
+def cost(name: str, world_size: int, profile: Profile) -> float:
+    """A search's expected seconds: as measured at ``profile``, else at ci scaled by the
+    examples it draws; a search never measured (a suite of one's own, a world size ci does
+    not reach) costs the median of the profile's, scaled likewise."""
+    sid = search_id(name, world_size)
+    own = _measured().get(profile.name, {}).get("seconds", {})
+    if sid in own:
+        return own[sid]
+    ci = _measured().get("ci", {}).get("seconds", {})
+    scale = profile.max_examples / CI_EXAMPLES
+    if sid in ci:
+        return ci[sid] * scale
+    if own:
+        return sorted(own.values())[len(own) // 2]
+    known = sorted(ci.values()) or [1.0]
+    return known[len(known) // 2] * scale
 
 
-def split(searches: list[tuple[str, int]], n: int, max_examples: int) -> list[list[tuple[str, int]]]:
+def split(searches: list[tuple[str, int]], n: int, profile: Profile) -> list[list[tuple[str, int]]]:
     """The searches in ``n`` parts of about equal cost, each part in the run's own order."""
     load = [0.0] * n
     part_of: dict[tuple[str, int], int] = {}
-    for search in sorted(searches, key=lambda s: (-cost(*s, max_examples), s)):
+    for search in sorted(searches, key=lambda s: (-cost(*s, profile), s)):
         k = min(range(n), key=lambda i: (load[i], i))
         part_of[search] = k
-        load[k] += cost(*search, max_examples)
+        load[k] += cost(*search, profile)
     return [[s for s in searches if part_of[s] == k] for k in range(n)]
 
 
@@ -78,7 +88,7 @@ def keyword(expression: str):
 
 
 def select(plan: list[tuple[str, int]], expression: str | None, shard: str | None,
-           max_examples: int) -> list[tuple[str, int]]:
+           profile: Profile) -> list[tuple[str, int]]:
     """The searches of ``plan`` that ``-k`` keeps, then the ``--shard``'s part of them."""
     if expression:
         matches = keyword(expression)
@@ -89,19 +99,22 @@ def select(plan: list[tuple[str, int]], expression: str | None, shard: str | Non
         plan = kept
     if shard:
         k, n = parse(shard)
-        plan = split(plan, n, max_examples)[k - 1]
+        plan = split(plan, n, profile)[k - 1]
     return plan
 
 
 def measure(record: dict) -> dict:
-    """costs.json's content from the --json record of a whole ci run (2 cores)."""
-    if record.get("profile") != "ci" or record.get("selection"):
-        raise UsageError("measure costs from a whole `gate --profile ci` run's --json record")
+    """costs.json's table for the profile of a whole run's --json record (2 cores): the
+    searches' seconds, each part's record merged first (tpdp_verify.runner.merge) where
+    the run was split."""
+    if record.get("selection") or not record.get("properties"):
+        raise UsageError("measure costs from a whole `gate` run's --json record (merge a split run's parts first)")
     seconds = {search_id(p["name"], p["world_size"]): p["seconds"] for p in record["properties"]}
-    return {"measured": f"gate --profile ci, torch {record['torch']}, 2 cores", "seconds": seconds}
+    return {"measured": f"gate --profile {record['profile']}, torch {record['torch']}, 2 cores", "seconds": seconds}
 
 
-if __name__ == "__main__":  # python -m tpdp_verify.runner.selection GATE.json: write costs.json from a ci run
+if __name__ == "__main__":  # python -m tpdp_verify.runner.selection GATE.json: its profile's costs into costs.json
     import sys
 
-    COSTS.write_text(json.dumps(measure(json.loads(Path(sys.argv[1]).read_text())), indent=1) + "\n")
+    record = json.loads(Path(sys.argv[1]).read_text())
+    COSTS.write_text(json.dumps({**_measured(), record["profile"]: measure(record)}, indent=1) + "\n")
