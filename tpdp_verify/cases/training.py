@@ -230,7 +230,7 @@ class TrainCase:
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
     wiring: str = ""                    # "" (as documented) or a key of MISWIRINGS
     loss: Loss | None = field(default=None, repr=False)  # None: the model's own (in repr where set)
-    # A user's model, plan, data and loss (tpdp_verify.plan.UserModel) in place of a zoo
+    # A user's model, plan, data and loss (tpdp_verify.plan.case.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)
 

@@ -1,0 +1,114 @@
+"""A verify_plan call as a case: the user's model, plan, data and loss (``UserModel``) in a
+``TrainCase``, its arguments checked (``make_case``)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpdp_verify.cases.training import DP, TRAIN_DTYPES, DDPOptions, TrainCase
+from tpdp_verify.errors import UsageError
+
+
+def name_of(fn) -> str:
+    """``module:qualname``, how the CLI and the replay line name a function; a script's
+    functions by the script's name, the module its directory imports."""
+    module = getattr(fn, "__module__", "?")
+    if module in ("__main__", "__mp_main__"):
+        module = Path(getattr(sys.modules[module], "__file__", module)).stem
+    return f"{module}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def mean_square(out, batch: dict) -> torch.Tensor:
+    """The default per-sample loss: the mean square of each sample's output (of a pytree
+    output, its first tensor leaf with the batch's rows: a ModelOutput's logits)."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor import DTensor
+
+    rows = len(next(iter(batch.values())))
+    out = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() and len(t) == rows), out)
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    return out.reshape(len(out), -1).pow(2).mean(1)
+
+
+def as_batch(value) -> dict:
+    """input_fn's result as the training loop takes it: a dict with the model's "input", or
+    with the keyword arguments of its forward (and any targets)."""
+    if isinstance(value, torch.Tensor):
+        return {"input": value}
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return value
+    raise UsageError(f"input_fn returned {type(value).__name__}: return the model's input tensor, or a dict of "
+                     "tensors: the input under 'input' or the forward's keyword arguments by name, and any targets")
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """A user's model, plan, data and loss, as a case carries them to the ranks (by name)."""
+
+    model_fn: Callable[[], nn.Module]
+    plan: object  # a tuple of (key, style) pairs, a callable tp_mesh -> dict, or None
+    input_fn: Callable[[int, torch.Generator], object]  # (n samples, generator) -> batch
+    loss_fn: Callable | None = None  # (output, batch) -> one loss per sample
+    optimizer_fn: Callable | None = None  # parameters -> optimizer
+    loss_parallel: bool = False
+    parallelize_fn: Callable | None = None  # (model, (dp, tp) mesh) -> the TP'd model, in place of plan
+
+    def fixture(self):
+        from hypothesis import strategies as st
+
+        from tpdp_verify.fixtures.zoo import Fixture, Size
+
+        return Fixture(name=name_of(self.model_fn), build=lambda size: self.model_fn(),
+                       plan=lambda size: self.plan if callable(self.plan) else dict(self.plan or ()),
+                       batch=lambda gen, n, size: as_batch(self.input_fn(n, gen)),
+                       per_sample_loss=self.loss_fn or mean_square, sizes=lambda tp: st.just(Size()),
+                       loss_parallel=self.loss_parallel, parallelize=self.parallelize_fn)
+
+
+def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, dp, dtype, batch,
+              accumulate, ddp_options, loss_parallel, seed, parallelize_fn=None) -> TrainCase:
+    """The TrainCase of a verify_plan call, its arguments checked."""
+    if not callable(model_fn) or not callable(input_fn):
+        raise UsageError("model_fn and input_fn must be callables: model_fn() -> nn.Module, "
+                         "input_fn(n, generator) -> the input of n samples")
+    if (plan is None) == (parallelize_fn is None):
+        raise UsageError("give a plan (module path -> ParallelStyle) or parallelize_fn(model, mesh), "
+                         f"{'not both' if plan is not None else 'one of them'}")
+    if dp == "own" and parallelize_fn is None:
+        raise UsageError("dp='own' means your parallelize_fn wraps DP itself: give parallelize_fn(model, mesh), "
+                         "or a dp for tpdp-verify to wrap the plan's model with")
+    if parallelize_fn is not None and not callable(parallelize_fn):
+        raise UsageError(f"parallelize_fn is a {type(parallelize_fn).__name__}; give a function "
+                         "(model, mesh) -> model that applies your TP to mesh['tp']")
+    if plan is not None and not (callable(plan) or isinstance(plan, dict) or plan == "auto"):
+        raise UsageError(f"plan is a {type(plan).__name__}; give a dict as parallelize_module takes it "
+                         "(module path -> ParallelStyle, or transformers' style string), a function "
+                         "tp_mesh -> dict, or 'auto' for the model's own tp_plan")
+    if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2
+            or not all(isinstance(d, int) and d >= 1 for d in mesh)):
+        raise UsageError(f"mesh must be (dp, tp), two positive ints, not {mesh!r}")
+    if dp not in DP:
+        raise UsageError(f"dp must be one of {', '.join(DP)}, not {dp!r}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in TRAIN_DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(TRAIN_DTYPES)}, not {name}")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(accumulate, int) or accumulate < 1:
+        raise UsageError(f"steps and accumulate must be positive ints, not {steps!r} and {accumulate!r}")
+    batch = 2 * mesh[0] if batch is None else batch
+    if not isinstance(batch, int) or batch < mesh[0] or batch % mesh[0]:
+        raise UsageError(f"batch={batch!r} does not split over dp={mesh[0]} ranks: give a multiple of {mesh[0]}")
+    try:  # a list (bucket_cap_mb_list) as a tuple: a case is hashable
+        ddp = DDPOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in (ddp_options or {}).items()})
+    except TypeError as exc:
+        raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.training.DDPOptions") from None
+    user = UserModel(model_fn, plan if plan is None or callable(plan) or plan == "auto" else tuple(plan.items()),
+                     input_fn,
+                     loss_fn, optimizer_fn, loss_parallel, parallelize_fn)
+    return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
+                     accumulate=accumulate, local_batch=batch // mesh[0], seed=seed, dtype=name, user=user)

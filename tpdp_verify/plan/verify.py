@@ -1,0 +1,144 @@
+"""verify_plan: a user's case trained on the ranks and judged against one device and
+against the same DP without TP, as a ``Report``."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tpdp_verify import signature
+from tpdp_verify.errors import PoolError, RankFailed, UsageError
+from tpdp_verify.plan.replay import script
+from tpdp_verify.plan.case import make_case
+from tpdp_verify.plan.preflight import check_inputs, check_on_ranks
+
+
+def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn: Callable | None = None,
+                mesh: tuple[int, int] = (1, 2),
+                input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
+                steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "ddp",
+                dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
+                ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
+                impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
+                replay: str | None = None, baseline: str | None = None, rank_output: str | None = None):
+    """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh and a DP entry point,
+    and compare it with one device and with plain DP; return a ``Report``.
+
+    ``model_fn()`` builds the unsharded model from torch's global RNG (seeded with ``seed``
+    first, alike on every rank). ``plan`` is what ``parallelize_module`` takes: a dict of
+    module path (fnmatch wildcards per atom) -> ParallelStyle, or a function of the tp
+    mesh returning one. Or, in place of a plan, ``parallelize_fn(model, mesh)``: the user's
+    own function that applies TP (and any fix-up, such as re-tying weights) to the model,
+    given the whole (dp, tp) mesh as torchtitan's parallelize functions are; it returns
+    the model. tpdp-verify still wraps DP per ``dp``, unless ``dp="own"``: then the function
+    applies DP itself too (DDP, replicate, fully_shard or FSDP on ``mesh["dp"]``, returning
+    the wrapper), tpdp-verify drives the wrapper it finds, and the plain-DP comparison is
+    not made (the report says so). ``input_fn(n, generator)`` returns the input of ``n`` samples
+    (dim 0), or a dict with it under "input" and any targets; draw from ``generator``.
+    ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
+    weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
+    ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
+    ddp (``_pre_dp_module_transform`` then DDP on the dp group), ddp_mesh (DDP with the dp
+    sub-mesh), replicate, fsdp2 (``fully_shard``), fsdp1, or own (above). Runs on ``pool`` if given (its
+    world size must be dp * tp), else on a pool of its own. ``baseline`` (a file or a shipped
+    name such as "torch-2.13.0"): departures that are faults it records for this DP entry
+    point are labelled known, with their entry in docs/known-divergences.md, and the
+    report passes (status KNOWN) when nothing else departs. ``rank_output``: a directory for
+    the ranks' stdout and stderr (torch's warnings, C++ logs), else the terminal.
+
+    Every callable must be importable by name (module level): the ranks are other processes.
+    Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks would not
+    start. Ranks that raise, hang or die in the user's code fail the report's "trains
+    without an exception" check, with each rank's traceback or stack.
+    """
+    from tpdp_verify.judging.verdict import Verdict
+    from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
+    from tpdp_verify.ranks.pool import RankPool
+    from tpdp_verify.report import Report
+
+    case = make_case(model_fn, plan, mesh=mesh, input_fn=input_fn, loss_fn=loss_fn, steps=steps,
+                     optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
+                     ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
+                     parallelize_fn=parallelize_fn)
+    known = _known_faults(baseline, case.entry, tuple(mesh)) if baseline else {}
+    case = check_inputs(case)
+    world = case.dp * case.tp
+    if pool is not None and pool.world_size != world:
+        raise UsageError(f"mesh {tuple(mesh)} holds {world} ranks but the pool has {pool.world_size}; "
+                         f"give a mesh whose product is {pool.world_size}, or a pool of {world}")
+    owned = pool is None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if owned and world > cpus:
+        warnings.warn(f"mesh {tuple(mesh)} needs {world} ranks and this machine has {cpus} CPUs: the ranks "
+                      "time-share them, so the run takes longer (the verdict is the same)", stacklevel=2)
+    if owned:  # the ranks' fork server imports the user's modules (transformers, say) once, for all
+        from tpdp_verify.ranks.pool import warm_up
+
+        warm_up(tuple(dict.fromkeys(fn.__module__ for fn in (model_fn, input_fn, loss_fn, optimizer_fn, parallelize_fn)
+                                    if fn is not None and fn.__module__ not in ("__main__", "__mp_main__"))))
+    pool = RankPool(world, backend, timeout=timeout, output=rank_output) if owned else pool
+    keys, entry = 0, case.entry
+    try:
+        keys, entry = check_on_ranks(pool, case)
+        one = verdict_one_device(pool, impl, case)
+        plain = Verdict(against="plain DDP") if case.entry == "own" else verdict_plain_ddp(pool, impl, case)
+    except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
+        one, plain = _did_not_finish(exc), Verdict(against="plain DDP")
+    finally:
+        if owned:
+            pool.close()
+    if case.entry == "own":
+        known = _known_faults(baseline, entry, tuple(mesh)) if baseline else {}
+    detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
+        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({entry})"
+    return Report.of(case, keys, one, plain, replay or script(case, impl, plan, baseline), detail,
+                     baseline or "", known, OWN_DP if case.entry == "own" else "")
+
+
+OWN_DP = "parallelize_fn wraps DP itself (dp='own'), so there is no run without TP to compare with"
+
+
+# The suite's training properties whose known faults a user's run can show, per oracle.
+_TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_one_device"),
+             "plain DDP": ("trains_like_plain_ddp",)}
+
+
+def _known_faults(name: str, dp_entry: str, mesh: tuple[int, int]) -> dict:
+    from tpdp_verify.runner import baseline
+
+    _, entries = baseline.load(name)  # a bad name or file: one line, before any rank starts
+    return {against: baseline.training_parts(entries, props, dp_entry, mesh) for against, props in _TRAINING.items()}
+
+
+def _did_not_finish(exc: BaseException):
+    """A run whose ranks raised (outside the training loop, which reports its own), hung or
+    died: a verdict that it did not train, with every rank's traceback or stack; the
+    harness failing (ranks that would not start) is raised as it is."""
+    from tpdp_verify.judging.verdict import Verdict
+    from tpdp_verify.ranks.observation import Check
+    from tpdp_verify.runner.property import finding
+
+    found = finding(exc)
+    if found is None and not isinstance(exc, RankFailed):
+        raise exc
+    part = found.signature[0] if found is not None else signature.raised_from_text(next(iter(exc.tracebacks.values())))
+    said = str(found) if found is not None else str(exc)  # a hang's: with every silent rank's stack
+    return Verdict([Check("trains without an exception", False, f"{_headline(exc)}\n{said}", part)])
+
+
+def _headline(exc: BaseException) -> str:
+    """What happened, in the words of the first rank that raised, or the pool's for a hang or death."""
+    from tpdp_verify.ranks.pool import CAUGHT_PART
+
+    if not isinstance(exc, RankFailed):
+        return str(exc).splitlines()[0]
+    rank = min(exc.tracebacks)
+    lines = [ln for ln in exc.tracebacks[rank].splitlines() if ln.strip()
+             and not ln.startswith(CAUGHT_PART)] or [""]
+    said = lines[0].removeprefix("(caught and returned) ") if "(caught and returned)" in lines[0] else lines[-1]
+    waiting = f" (rank {', '.join(map(str, exc.stuck))} waited for it in a collective)" if exc.stuck else ""
+    return f"rank {rank}: {said}{waiting}"
