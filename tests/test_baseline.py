@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from tpdp_verify import signature
 from tpdp_verify.cases.tensors import FSDPCase, TensorCase
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
@@ -249,3 +250,11 @@ def test_reruns_stop_at_their_budget_and_say_how_many_were_left():
     text = baseline.judgement_report(j, {"torch": "2.13.0", "profile": "ci"}, "b.json")
     assert "not rerun: 2 entries" in text and "0 known, 2 not rerun: passes" in text
     assert len(baseline.judge(run, listed, lambda e: ("K",)).known) == 2  # no budget given: every one rerun
+
+
+def test_a_recorded_hang_is_rerun_only_while_the_budget_holds_its_timeout():
+    listed = baseline.entries([diverges("b", signature.HANG), diverges("c", "K")])
+    run = [passes("b"), passes("c")]
+    j = baseline.judge(run, listed, lambda e: e.signature, rerun_seconds=60.0, hang_seconds=120.0)
+    assert [e.property for e in j.not_rerun] == ["b"] and [e.property for e in j.known] == ["c"]
+    assert len(baseline.judge(run, listed, lambda e: e.signature, 600.0, hang_seconds=120.0).known) == 2

@@ -344,7 +344,7 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
             with rerunner(suite.properties, args.impl, args.backend, args.timeout, logs) as rerun:
                 # learning reruns every entry: one not rerun could not be kept as still failing
                 run.judged = baseline.judge(run.outcomes, known[1], rerun,
-                                            math.inf if args.update_baseline else profile.rerun_total)
+                                            math.inf if args.update_baseline else profile.rerun_total, args.timeout)
         elif side:
             run.judged = replay.judge(run.outcomes)
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest

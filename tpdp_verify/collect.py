@@ -134,7 +134,8 @@ class SuiteRun:
         if self.entries is not None:  # the whole file, as the gate judges: what one world size recorded in a
             start = time.monotonic()  # region is known at the others too; the others' entries are "not run" here
             with rerunner((prop,), self.impl, self.backend, self.timeout) as rerun:
-                baseline.judge([outcome], self.entries, rerun, max(0.0, self.profile.rerun_total - self.reran))
+                baseline.judge([outcome], self.entries, rerun, max(0.0, self.profile.rerun_total - self.reran),
+                               self.timeout)
             self.reran += time.monotonic() - start
         return outcome
 

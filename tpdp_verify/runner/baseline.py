@@ -239,12 +239,14 @@ class Judgement:
 
 
 def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Signature],
-          rerun_seconds: float = math.inf) -> Judgement:
+          rerun_seconds: float = math.inf, hang_seconds: float = 0.0) -> Judgement:
     """Sort a run's findings by the baseline, and give each its status. A finding the
     search raised is NEW; one it counted as known is known. ``rerun(entry)`` runs a listed
     case that the run did not meet again and returns its signature (() if it passes); once
     the reruns have taken ``rerun_seconds``, the entries left are listed as not rerun (a
-    baseline of many regions holds more cases than a short run can afford to rerun)."""
+    baseline of many regions holds more cases than a short run can afford to rerun); a
+    recorded hang, whose rerun waits out the ranks' timeout, only while ``hang_seconds``
+    (that timeout) is left."""
     from tpdp_verify.runner.property import region
 
     parts, start = regional_parts(baseline), time.monotonic()
@@ -277,8 +279,9 @@ def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Si
         if outcome is None:
             out.not_run.append(listed)
             continue
-        if time.monotonic() - start > rerun_seconds:
-            out.not_rerun.append(listed)
+        left = rerun_seconds - (time.monotonic() - start)
+        if left < 0 or (signature.HANG in listed.signature and hang_seconds > left):
+            out.not_rerun.append(listed)  # a hang's rerun takes the timeout: only where the budget holds it
             continue
         now = rerun(listed)
         if not now:
