@@ -3,13 +3,15 @@
 ``-k EXPR`` keeps the searches the expression matches, as pytest's ``-k`` does (its own
 expression language: words, ``and``, ``or``, ``not``, parentheses), a word matching as a
 case-insensitive substring of the property's name or of ``worldN``, its world size
-(``-k "trains and not plain and world4"``). ``--shard K/N`` runs the K-th of N parts of the run's searches (property, world size). The
-parts are balanced by each search's measured cost (``costs.json``: seconds on 2 cores
+(``-k "trains and not plain and world4"``).
+
+``--shard K/N`` runs the K-th of N parts of the run's searches (property, world size).
+The parts are balanced by each search's measured cost (``costs.json``: seconds on 2 cores
 against torch 2.13.0, measured per profile; a profile not measured takes ci's, scaled by
 its examples), greedily, the costliest first onto the least loaded part: the same split
-on every machine, whatever ran before. A search's verdict depends on that search alone (its draw, and the baseline
-entries of its property and world size), so the parts' verdicts put together are the whole
-run's (tpdp_verify.runner.merge).
+on every machine, whatever ran before. A search's verdict depends on that search alone
+(its draw, and the baseline entries of its property and world size), so the parts'
+verdicts put together are the whole run's (tpdp_verify.runner.merge).
 """
 
 from __future__ import annotations
