@@ -5,6 +5,10 @@ that is plain DDP over the case's dp groups; for FSDP1 and FSDP2 it is the same 
 without TP. Each tp coordinate forms its own dp group, so every rank's trace is a whole
 plain-DP run. Where TP+DP departs from one device, this run says whether the entry point
 alone departs the same way (its own matter) or not (the TP->DP composition's).
+
+For fully_shard over the whole SPMD mesh (TrainCase.dp_mesh_dims) the model is a DTensor
+program whatever the wrapper: the oracle is that program with no DP wrapper, DTensor itself
+reducing the gradients over dp.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from tpdp_verify.ranks.tp_dp import observe
 
 
 def observe_plain_ddp(case: TrainCase) -> Trace:
-    """On every rank: the case without TP, through torch's own entry point."""
-    return observe(case, "torch", tp=False)
+    """On every rank: the case without TP, through torch's own entry point; in the SPMD form,
+    the same DTensor program without the wrapper."""
+    return observe(case, "torch", dp=False) if case.dp_mesh_dims else observe(case, "torch", tp=False)
 
 
 def observe_with_plain_ddp(case: TrainCase, impl_name: str) -> tuple[Trace, Trace]:

@@ -16,6 +16,7 @@ from tpdp_verify.properties.fsdp_extension import (
     chunk_tensor_metadata,
     fsdp_flatten_roundtrip,
 )
+from tpdp_verify.properties.large_dp import large_dp_trains_like_one_device, large_dp_trains_like_plain_dp
 from tpdp_verify.properties.losses import losses_train_like_one_device
 from tpdp_verify.properties.registry import (
     ignored_params_untouched,
@@ -31,11 +32,11 @@ from tpdp_verify.properties.training import (
 )
 from tpdp_verify.properties.wiring import miswiring_refused_or_exact
 
-# The transform's structure (and TP's own registry), then training (miswired too), then
-# checkpoints, then FSDP1's extension.
+# The transform's structure (and TP's own registry), then training (miswired too; the DP
+# that large models train with), then checkpoints, then FSDP1's extension.
 ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched, tp_keeps_requires_grad,
        trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device, losses_train_like_one_device,
-       miswiring_refused_or_exact,
+       miswiring_refused_or_exact, large_dp_trains_like_one_device, large_dp_trains_like_plain_dp,
        state_dict_like_unsharded, entry_points_state_dict_like_unsharded,
        checkpoint_resumes, entry_points_checkpoint_resume,
        fsdp_flatten_roundtrip, chunk_dtensor_layout, all_gather_dtensor_full, chunk_tensor_metadata)

@@ -143,11 +143,13 @@ def _no_parameters(case) -> bool:
 TRAINING = ("trains_like_one_device", "trains_like_plain_ddp", "entry_points_train_like_one_device")
 CHECKPOINTS = ("state_dict_like_unsharded", "entry_points_state_dict_like_unsharded",
                "checkpoint_resumes", "entry_points_checkpoint_resume")
+# The properties of the DP that large models train with (properties/large_dp.py)
+LARGE_DP = ("large_dp_trains_like_one_device", "large_dp_trains_like_plain_dp")
 # The checkpoint properties that draw FSDP (entry_points_state_dict_like_unsharded draws replicate only).
 FSDP_CHECKPOINTS = ("state_dict_like_unsharded", "checkpoint_resumes", "entry_points_checkpoint_resume")
 
 FSDP_OPTIMIZER_BEFORE_WRAP = Exclusion(
-    "fsdp_optimizer_before_wrap", TRAINING + CHECKPOINTS,
+    "fsdp_optimizer_before_wrap", TRAINING + CHECKPOINTS + LARGE_DP,
     "an optimizer built before FSDP2 (fully_shard or its replicate) wraps: FSDP2 replaces the "
     "parameters with sharded DTensors when it wraps, so the optimizer holds the old ones and "
     "moves nothing the model uses, with or without TP; its docs say to build the optimizer "
@@ -156,7 +158,7 @@ FSDP_OPTIMIZER_BEFORE_WRAP = Exclusion(
     lambda case: (case.entry, case.built) in FSDP_BEFORE_WRAP)
 
 FSDP2_OPTIMIZER_AFTER_FORWARD = Exclusion(
-    "fsdp2_optimizer_after_forward", TRAINING + CHECKPOINTS,
+    "fsdp2_optimizer_after_forward", TRAINING + CHECKPOINTS + LARGE_DP,
     "an optimizer built after a first forward through FSDP2's replicate, or through fully_shard "
     "with reshard_after_forward=False: the root keeps its parameters unsharded after a forward, "
     "so the optimizer holds those and never moves the sharded ones; plain FSDP2 does the same "
@@ -198,7 +200,8 @@ FSDP1_CHECKPOINT_ACCUMULATE = Exclusion(
     lambda case: case.entry == "fsdp1" and case.accumulate != 1)
 
 HALF_AGAINST_ONE_DEVICE = Exclusion(
-    "half_precision_against_one_device", ("trains_like_one_device", "entry_points_train_like_one_device"),
+    "half_precision_against_one_device", ("trains_like_one_device", "entry_points_train_like_one_device",
+                                          "large_dp_trains_like_one_device"),
     "options that round to half precision by design (DDP's fp16 compression hook, FSDP2's "
     "MixedPrecisionPolicy) against one device in full precision: no bound derives from a run "
     "without them; trains_like_plain_ddp judges them against the same option without TP",
@@ -221,7 +224,7 @@ HALF_OUTSIDE_SOUND = Exclusion(
     _half_outside_the_sound_space)
 
 DIRECT_CALL_UNDER_FSDP = Exclusion(
-    "direct_call_under_fsdp", TRAINING,
+    "direct_call_under_fsdp", TRAINING + LARGE_DP,
     "a block called directly between steps under FSDP1, fully_shard or its replicate, which wrap "
     "the root only: between forwards the block's parameters are flat shards or dp-sharded "
     "DTensors, which only a wrapped module's forward gathers; it raises without TP too",
@@ -276,13 +279,24 @@ LOSS_THROUGH_DEPARTING = Exclusion(
     "docs/properties.md#losses_train_like_one_device",
     lambda case: case.loss is not None and case.entry in ("replicate", "fsdp1"))
 
+# Entry points that refuse a 2-D DP mesh (mesh["dp_replicate", "dp_shard"]) in one line.
+REFUSED_ON_2D_DP_MESH = ("replicate_fsdp",)
+
+REPLICATE_FSDP_ON_A_2D_DP_MESH = Exclusion(
+    "replicate_fsdp_on_a_2d_dp_mesh", LARGE_DP,
+    "FSDP2's replicate given the 2-D DP mesh of a 3-D (dp_replicate, dp_shard, tp) mesh: torch "
+    "refuses it before wrapping, with or without TP ('replicate expects a 1D DeviceMesh'); a "
+    "case there only tests that line",
+    "docs/properties.md#the-dp-that-large-models-train-with",
+    lambda case: case.entry in REFUSED_ON_2D_DP_MESH and len(case.dp_dims) == 2 and not case.dp_mesh_dims)
+
 EXCLUSIONS = (
     FSDP_OPTIMIZER_BEFORE_WRAP, FSDP2_OPTIMIZER_AFTER_FORWARD, DDP_UNUSED_WITHOUT_FIND_UNUSED,
     CHECKPOINT_WITH_STATIC_GRAPH,
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE,
     TREES_WITHOUT_PARAMETERS, HALF_AGAINST_ONE_DEVICE,
     HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP, LABEL_SMOOTHING_UNDER_LOSS_PARALLEL,
-    LOSS_OPTIONS, LOSS_THROUGH_DEPARTING,
+    LOSS_OPTIONS, LOSS_THROUGH_DEPARTING, REPLICATE_FSDP_ON_A_2D_DP_MESH,
 )
 
 # What checkpoint_cases keeps: training works, so there is something to checkpoint.

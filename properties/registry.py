@@ -242,7 +242,7 @@ def observe_tp_requires_grad(case: TrainCase, mask: int) -> list[Check]:
     fixture's TP as the training runs do, and compare every parameter's requires_grad."""
     from tpdp_verify.ranks.loop import build, fixture
     from tpdp_verify.ranks.pool import device_mesh
-    from tpdp_verify.ranks.tp_dp import MESH_DIMS, apply_tp
+    from tpdp_verify.ranks.tp_dp import apply_tp
 
     model = build(case)
     for i, (_, p) in enumerate(model.named_parameters()):
@@ -250,7 +250,7 @@ def observe_tp_requires_grad(case: TrainCase, mask: int) -> list[Check]:
             p.requires_grad_(False)
     before = {n: p.requires_grad for n, p in model.named_parameters()}
     fx = fixture(case)
-    model = apply_tp(fx, case, model, device_mesh(case.mesh_shape, MESH_DIMS))
+    model = apply_tp(fx, case, model, device_mesh(case.mesh_shape, case.mesh_dims))
     if fx.after_parallelize is not None:
         fx.after_parallelize(model)
     after = {n: p.requires_grad for n, p in model.named_parameters()}

@@ -199,6 +199,14 @@ def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
         ddp=ddp,
         fsdp=fsdp,
         habits=draw(_habits(model, entry, sound_only)) if options else Habits(),
+        **run_fields(draw, entry, built, fsdp),
+    )
+
+
+def run_fields(draw, entry: str, built: tuple[str, ...], fsdp: FSDP2Options) -> dict:
+    """A training case's run, drawn in this order (a draw is a sequence of choices): the
+    optimizer and when it is built, an eval forward first, steps, microbatches, rows, seed, dtype."""
+    return dict(
         optimizer=draw(_one_of(OPTIMIZERS)),
         built=draw(_one_of(tuple(_timings(entry, built, fsdp)))),
         eval_first=draw(st.booleans()),

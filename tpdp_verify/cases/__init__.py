@@ -2,6 +2,10 @@
 
 
 def mesh_kind(mesh: tuple[int, ...]) -> str:
-    """Which of a (dp, tp) mesh's dimensions are real: "dp x tp", "tp", "dp" or "one rank"."""
+    """Which of a (dp, tp) mesh's dimensions are real: "dp x tp", "tp", "dp" or "one rank";
+    of a 3-D (dp_replicate, dp_shard, tp) mesh, its real dimensions by name ("3-D: ...")."""
+    if len(mesh) == 3:
+        real = [n for n, s in zip(("dp_replicate", "dp_shard", "tp"), mesh) if s > 1]
+        return f"3-D: {' x '.join(real) or 'one rank'}"
     dp, tp = mesh[0], mesh[-1]
     return "dp x tp" if dp > 1 and tp > 1 else "tp" if tp > 1 else "dp" if dp > 1 else "one rank"

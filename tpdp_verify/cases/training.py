@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, fields
 
 # Data-parallel entry points, in the order the strategy shrinks toward.
@@ -23,6 +24,24 @@ DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
       "fsdp2": "fully_shard", "fsdp1": "fsdp1", "replicate_fsdp": "replicate_fsdp", "own": "own"}
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 FSDP2_ENTRIES = ("fully_shard", "replicate_fsdp")  # those that take FSDP2Options
+# Those that take a 2-D DP mesh (HSDP: replicated over its first dimension, sharded over its
+# second), on a 3-D (dp_replicate, dp_shard, tp) mesh as torchtitan builds it.
+HSDP_ENTRIES = ("fsdp1", "fully_shard", "replicate_fsdp")
+MESH_DIMS = ("dp", "tp")
+HSDP_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# FSDP1's sharding strategies: those of a 1-D DP mesh, then the hybrid ones a 2-D DP mesh needs.
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+FSDP1_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+# How fully_shard sees the mesh (TrainCase.dp_mesh_dims): "" a DP sub-mesh, as every entry
+# point takes it; else the whole SPMD mesh with DataParallelMeshDims naming its dp
+# dimensions: "shard" (FSDP over them), "replicate" (DDP-like over them), "both" (HSDP:
+# replicated over dp_replicate, sharded over dp_shard; 3-D meshes only).
+SPMD_FORMS = ("shard", "replicate", "both")
+# How the loss a run backpropagates reduces its samples' weighted losses, as users write it
+# (TrainCase.loss_reduction): "" their mean; "sum"; "sum_over_count", the sum divided by the
+# global batch's count. Over a DTensor sharded on dp these reduce the global batch, so only
+# the SPMD form draws the last two: under a sub-mesh DP each rank reduces its own rows.
+LOSS_REDUCTIONS = ("", "sum", "sum_over_count")
 OPTIMIZERS = ("sgd", "adam")
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's
@@ -209,13 +228,16 @@ MISWIRINGS = {  # each, in a user's words
 }
 
 
+_LATE_STR = ("fsdp1_strategy", "dp_mesh_dims", "loss_reduction")  # TrainCase's string fields added late
+
+
 @dataclass(frozen=True)
 class TrainCase:
     """One TP+DP training run and the single-device run it must match."""
 
     model: str = "mlp"                  # a name in tpdp_verify.fixtures.ZOO
     size: Size = field(default_factory=Size)
-    mesh_shape: tuple[int, int] = (1, 2)  # (dp, tp)
+    mesh_shape: tuple[int, ...] = (1, 2)  # (dp, tp), or (dp_replicate, dp_shard, tp) for HSDP_ENTRIES
     entry: str = "ddp_mesh"
     ddp: DDPOptions = field(default_factory=DDPOptions)
     fsdp: FSDP2Options = field(default_factory=FSDP2Options)
@@ -230,6 +252,11 @@ class TrainCase:
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
     wiring: str = ""                    # "" (as documented) or a key of MISWIRINGS
     loss: Loss | None = field(default=None, repr=False)  # None: the model's own (in repr where set)
+    # FSDP1's sharding strategy (a name in FSDP1_STRATEGIES or FSDP1_HYBRID; "" its default,
+    # FULL_SHARD), and how fully_shard sees the mesh (SPMD_FORMS; ""): in repr where set
+    fsdp1_strategy: str = field(default="", repr=False)
+    dp_mesh_dims: str = field(default="", repr=False)
+    loss_reduction: str = field(default="", repr=False)  # one of LOSS_REDUCTIONS (in repr where set)
     # A user's model, plan, data and loss (tpdp_verify.plan.case.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)
@@ -239,10 +266,13 @@ class TrainCase:
         prints every field of a dataclass otherwise)."""
         from hypothesis.vendor.pretty import pprint_fields
 
-        pprint_fields(self, p, cycle, _shown(self, ("loss",), None))
+        pprint_fields(self, p, cycle, self._shown())
+
+    def _shown(self) -> list[str]:
+        return _shown(self, ("loss",), None) + [n for n in _LATE_STR if getattr(self, n)]
 
     def __repr__(self) -> str:
-        return _repr(self, late=("loss",), default=None)
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self._shown())})"
 
     @property
     def torch_dtype(self):
@@ -272,12 +302,29 @@ class TrainCase:
         return f"{self.loss.kind}{' under loss_parallel' if self.loss.parallel else ''}"
 
     @property
+    def dp_form(self) -> str:
+        """The entry point as a region names it: with FSDP1's strategy, or how fully_shard
+        sees the mesh, where the case sets one."""
+        form = f"fully_shard(dp_mesh_dims={self.dp_mesh_dims})" if self.dp_mesh_dims else self.entry
+        return f"{form}({self.fsdp1_strategy})" if self.fsdp1_strategy else form
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        return HSDP_MESH_DIMS if len(self.mesh_shape) == 3 else MESH_DIMS
+
+    @property
+    def dp_dims(self) -> tuple[str, ...]:
+        """The mesh's data-parallel dimensions: ("dp",), or ("dp_replicate", "dp_shard")."""
+        return self.mesh_dims[:-1]
+
+    @property
     def dp(self) -> int:
-        return self.mesh_shape[0]
+        """The data-parallel degree: every dp dimension's size multiplied."""
+        return math.prod(self.mesh_shape[:-1])
 
     @property
     def tp(self) -> int:
-        return self.mesh_shape[1]
+        return self.mesh_shape[-1]
 
     @property
     def global_batch(self) -> int:

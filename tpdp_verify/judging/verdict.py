@@ -43,6 +43,7 @@ class Verdict:
     first_module: str | None = None  # set by localization when values depart
     against: str = "one device"  # the oracle; "" for checks the ranks made themselves
     plain_ddp: str = ""  # on a departure: how the same DP entry point without TP fares
+    beside: str = "the same DP entry point without TP"  # the run plain_ddp speaks of
     unobserved: str = ""  # what was not compared, and why
     unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
     accumulate: int = 1  # microbatches a step: orders outputs among the steps' values
@@ -118,7 +119,7 @@ class Verdict:
         if self.first_module is not None:
             lines.append(f"first module whose output departs (forward order): {self.first_module}")
         if self.plain_ddp:
-            lines.append(f"the same DP entry point without TP: {self.plain_ddp}")
+            lines.append(f"{self.beside}: {self.plain_ddp}")
         if self.unobserved:
             lines.append(f"not compared: {self.unobserved}")
         lines += [f"  {c.name}{on_ranks(c.ranks)}: {c.detail}" for c in bad_checks[:limit]]

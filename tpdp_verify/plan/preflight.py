@@ -155,9 +155,9 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
 
     from tpdp_verify.ranks.loop import build, fixture
     from tpdp_verify.ranks.pool import device_mesh
-    from tpdp_verify.ranks.tp_dp import MESH_DIMS, plan_for
+    from tpdp_verify.ranks.tp_dp import plan_for
 
-    mesh = device_mesh(case.mesh_shape, MESH_DIMS)
+    mesh = device_mesh(case.mesh_shape, case.mesh_dims)
     model = build(case)
     sums = _checksums(model)
     if case.user.parallelize_fn is not None:
@@ -297,9 +297,9 @@ def check_on_ranks(pool, case: TrainCase) -> tuple[int, str]:
 def _plan_keys(case: TrainCase) -> list[str]:
     from tpdp_verify.ranks.loop import fixture
     from tpdp_verify.ranks.pool import device_mesh
-    from tpdp_verify.ranks.tp_dp import MESH_DIMS, plan_for
+    from tpdp_verify.ranks.tp_dp import plan_for
 
-    return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, MESH_DIMS)["tp"]))
+    return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, case.mesh_dims)["tp"]))
 
 
 def _sharded(case: TrainCase) -> tuple[int, str]:
@@ -308,9 +308,9 @@ def _sharded(case: TrainCase) -> tuple[int, str]:
     from tpdp_verify.ranks.entries import own_entry
     from tpdp_verify.ranks.loop import build, fixture
     from tpdp_verify.ranks.pool import device_mesh
-    from tpdp_verify.ranks.tp_dp import MESH_DIMS, apply_tp
+    from tpdp_verify.ranks.tp_dp import apply_tp
 
     model = build(case)
     shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
-    model = apply_tp(fixture(case), case, model, device_mesh(case.mesh_shape, MESH_DIMS))
+    model = apply_tp(fixture(case), case, model, device_mesh(case.mesh_shape, case.mesh_dims))
     return len(tp_sharded(model, shapes)), own_entry(model) if case.entry == "own" else case.entry

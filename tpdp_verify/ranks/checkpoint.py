@@ -39,7 +39,7 @@ from tpdp_verify.ranks.loop import (
 )
 from tpdp_verify.ranks.observation import Observation
 from tpdp_verify.ranks.pool import caught
-from tpdp_verify.ranks.tp_dp import MESH_DIMS, parter, run_of, tp_model
+from tpdp_verify.ranks.tp_dp import parter, run_of, tp_model
 
 # How a checkpoint travels from the trained model to the fresh one:
 #   state_dict: model.state_dict() / load_state_dict(), optimizer.state_dict() /
@@ -199,7 +199,7 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
     from tpdp_verify.ranks.pool import device_mesh
 
     impl, seen = load(impl_name), Seen()
-    mesh = device_mesh(case.mesh_shape, MESH_DIMS)
+    mesh = device_mesh(case.mesh_shape, case.mesh_dims)
     stage = "wrapping"
     try:
         with installed(impl):

@@ -34,9 +34,10 @@ def ignored(model: nn.Module, case: TrainCase) -> nn.Module | None:
 
 
 def dp_mesh(case: TrainCase, mesh):
-    """The mesh the case's DP entry point is given: mesh["dp"], or a miswiring's
-    (TrainCase.wiring): mesh["tp"], or the whole 2-D mesh."""
-    return {"dp_over_tp": mesh["tp"], "dp_over_mesh": mesh}.get(case.wiring, mesh["dp"])
+    """The mesh the case's DP entry point is given: mesh["dp"] (mesh["dp_replicate",
+    "dp_shard"] on a 3-D mesh), or a miswiring's (TrainCase.wiring): mesh["tp"], or the
+    whole 2-D mesh."""
+    return {"dp_over_tp": mesh["tp"], "dp_over_mesh": mesh}.get(case.wiring, mesh[case.dp_dims])
 
 
 def _ignore_for_ddp(model, case: TrainCase) -> None:
@@ -112,8 +113,20 @@ def _fsdp2_ignored(model, case: TrainCase) -> dict:
 def wrap_fully_shard(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=dp_mesh(case, mesh), **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
+    where = {"mesh": mesh, "dp_mesh_dims": spmd_dims(case)} if case.dp_mesh_dims else {"mesh": dp_mesh(case, mesh)}
+    fully_shard(model, **where, **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
     return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
+
+
+def spmd_dims(case: TrainCase):
+    """The DataParallelMeshDims of the case's SPMD form: its dp dimensions sharded, replicated
+    (flattened where two), or on a 3-D mesh dp_replicate replicated and dp_shard sharded."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    dims = case.dp_dims[0] if len(case.dp_dims) == 1 else case.dp_dims
+    if case.dp_mesh_dims == "both":
+        return DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+    return DataParallelMeshDims(**{case.dp_mesh_dims: dims})
 
 
 def wrap_replicate_fsdp(model, case: TrainCase, mesh, impl) -> Wrapped:
@@ -141,18 +154,21 @@ FSDP1_STATE = ("FSDP1 keeps it flat-sharded and FSDP.optim_state_dict misreports
 
 
 def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
-    """FSDP1 on the dp sub-mesh of a 2-D mesh: the DTensorExtensions path, which flattens
-    each DTensor parameter with the transform's flatten/unflatten pair."""
+    """FSDP1 on the dp sub-mesh (2-D on a 3-D mesh, with a hybrid sharding strategy): the
+    DTensorExtensions path, which flattens each DTensor parameter with the transform's
+    flatten/unflatten pair."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
 
     from tpdp_verify.ranks.pool import device_type
 
     # FSDP1 runs on the CPU only when told to: without device_id it looks for an accelerator.
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     skip = ignored(model, case)
+    strategy = {"sharding_strategy": ShardingStrategy[case.fsdp1_strategy]} if case.fsdp1_strategy else {}
     return _driven_fsdp1(FSDP(model, device_mesh=dp_mesh(case, mesh), use_orig_params=True, device_id=device,
-                              ignored_modules=[skip] if skip else None))
+                              ignored_modules=[skip] if skip else None, **strategy))
 
 
 def _driven_fsdp1(fsdp) -> Wrapped:
@@ -238,8 +254,8 @@ SETS = {
     "DistributedDataParallel": {"device_mesh", "process_group", *_ddp_keywords()},
     "replicate": {"device_mesh", "ignored_modules", *_ddp_keywords()},  # passed on to DDP through its **kwargs
     "replicate (FSDP2-based)": {"mesh", "mp_policy", "ignored_params"},
-    "fully_shard": {"mesh", "mp_policy", "ignored_params", "reshard_after_forward"},
-    "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id", "ignored_modules"},
+    "fully_shard": {"mesh", "mp_policy", "ignored_params", "reshard_after_forward", "dp_mesh_dims"},
+    "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id", "ignored_modules", "sharding_strategy"},
 }
 
 

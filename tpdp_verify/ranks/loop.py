@@ -81,6 +81,10 @@ class Run:
     # the last backward of a step (average their gradients over dp)
     sync_ignored: Callable[[], None] = lambda: None
     ignored: tuple[str, ...] = ()  # names of the parameters DP was told to ignore (Habits.ignored)
+    # The SPMD form (TrainCase.dp_mesh_dims): this run's rows as the model takes them (DTensors
+    # sharded on dp), and an output's leaves back as this run's rows
+    inputs: Callable[[dict], dict] = lambda rows: rows
+    rows_of: Callable[[object], object] = lambda out: out
 
 
 def fixture(case: TrainCase) -> Fixture:
@@ -224,12 +228,23 @@ def leaf_name(path) -> str:
     return text.lstrip(".") or "model"
 
 
-def weighted_loss(per_sample: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def weighted_loss(per_sample: torch.Tensor, weight: torch.Tensor, case: TrainCase) -> torch.Tensor:
     """The loss a run backpropagates: each sample's loss weighted by a random weight and
-    averaged, which exposes DP averaging bugs a plain mean hides; a loss the model already
-    averaged over its batch (a scalar, as transformers' ``labels`` give) as it is."""
-    per_sample = whole(per_sample)
-    return per_sample if per_sample.dim() == 0 else (weight * per_sample).mean()
+    averaged (or reduced as the case's loss_reduction says), which exposes DP averaging bugs
+    a plain mean hides; a loss the model already averaged over its batch (a scalar, as
+    transformers' ``labels`` give) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):  # else the SPMD form's: both sharded alike on dp, reduced by DTensor
+        per_sample = whole(per_sample)
+    if per_sample.dim() == 0:
+        return per_sample
+    weighted = weight * per_sample
+    if case.loss_reduction == "sum":
+        return weighted.sum()
+    if case.loss_reduction == "sum_over_count":  # the global batch's count: what the SPMD form's sum covers
+        return weighted.sum() / case.global_batch
+    return weighted.mean()
 
 
 def _first_tensor(value):
@@ -340,7 +355,7 @@ def between_steps(case: TrainCase, run: Run, batch: dict, called: dict, trace: T
         if case.habits.between == "eval":
             run.model.eval()
         with torch.no_grad():
-            forward(run.model, run.inner, {k: v[run.rows] for k, v in batch.items()})
+            forward(run.model, run.inner, run.inputs({k: v[run.rows] for k, v in batch.items()}))
         run.model.train()
 
 
@@ -390,23 +405,24 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         if case.eval_first:
             run.model.eval()
             with torch.no_grad():
-                forward(run.model, run.inner, {k: v[run.rows] for k, v in data[0][0].items()})
+                forward(run.model, run.inner, run.inputs({k: v[run.rows] for k, v in data[0][0].items()}))
             run.model.train()
         optimizer = optimizer or build_optimizer(case, run, data, new_optimizer)
         params = named(run, optimizer)
         for step, micro in enumerate(data):
             for m, b in enumerate(micro):
-                local = {k: v[run.rows] for k, v in b.items()}
+                mine = {k: v[run.rows] for k, v in b.items()}
+                local = run.inputs(mine)
                 sync = contextlib.nullcontext() if m == len(micro) - 1 else run.no_sync()
                 record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
                 with sync, maybe_loss_parallel(run.loss_parallel, sharded_loss_ops):
                     with record, calls(run, direct if m == 0 else [], called), tracking(run.inner, running):
                         out = forward(run.model, run.inner, local)
                     running.append(LOSS)
-                    loss = weighted_loss(fx.per_sample_loss(out, local), local["weight"])
+                    loss = weighted_loss(fx.per_sample_loss(out, local), local["weight"], case)
                     running.pop()
                     loss.backward()
-                leaves, trace.unread = output_leaves(out, len(local["weight"]))
+                leaves, trace.unread = output_leaves(run.rows_of(out), len(mine["weight"]))
                 trace.outputs.append(leaves)
                 trace.losses.append(float(whole(loss.detach())))
             run.sync_ignored()
@@ -420,7 +436,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
             with held_params(run) as current:
                 trace.params.append(snapshot(run, current))
             trace.state.append({} if run.state_unobserved else optimizer_state(run, params, optimizer))
-            trace.buffers.append({n: b.detach().clone() for n, b in run.inner.named_buffers()})
+            trace.buffers.append({n: whole(b.detach()).clone() for n, b in run.inner.named_buffers()})
         trace.registry = [n for n, _ in run.inner.named_parameters()]
         trace.tied = _tied(run.inner)
         trace.ignored += left_as_they_were(case, run, "after training")

@@ -28,6 +28,15 @@ class Reduction(NamedTuple):
     reduced: torch.Tensor  # this rank's local gradient after it
 
 
+def partial_on_tp(grad: DTensor) -> bool:
+    """Whether a gradient is a pending sum over tp: its placement on the mesh dimension named
+    "tp" (on the whole SPMD mesh it is pending over dp too, which FSDP2 reduces itself), or
+    on any dimension of a mesh without names."""
+    names = grad.device_mesh.mesh_dim_names
+    dims = [names.index("tp")] if names and "tp" in names else range(len(grad.placements))
+    return any(grad.placements[i].is_partial() for i in dims)
+
+
 def watching(seen: list[Reduction]):
     """Record in ``seen`` every gradient of partial placement that FSDP2 reduces, in order
     (nothing on a torch whose FSDP2 has no such step)."""
@@ -35,8 +44,7 @@ def watching(seen: list[Reduction]):
 
     def partial_of(grad):
         grad = grad.wait() if isinstance(grad, AsyncCollectiveTensor) else grad  # as torch's own does first
-        partial = isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
-        return grad._local_tensor.detach().clone() if partial else None
+        return grad._local_tensor.detach().clone() if isinstance(grad, DTensor) and partial_on_tp(grad) else None
 
     def record(fsdp_param, partial, out):
         seen.append(Reduction(fsdp_param._param_fqn or "", partial, out.detach().clone()))

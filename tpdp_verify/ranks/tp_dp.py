@@ -7,6 +7,7 @@ put together and compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import traceback
 
@@ -20,11 +21,25 @@ from tpdp_verify.ranks.pieces import cut
 from tpdp_verify.ranks.pool import caught
 from tpdp_verify.ranks.reductions import Reduction, watching
 
-MESH_DIMS = ("dp", "tp")
-
-
 def rows(case: TrainCase, dp_rank: int) -> slice:
     return slice(dp_rank * case.local_batch, (dp_rank + 1) * case.local_batch)
+
+
+def dp_rank(case: TrainCase, mesh) -> int:
+    """This rank's place among the dp ranks: its coordinate over the dp dimensions, row-major
+    (dp_replicate outer, as HSDP orders its replicas' shards)."""
+    rank = 0
+    for name in case.dp_dims:
+        rank = rank * mesh.size(mesh.mesh_dim_names.index(name)) + mesh.get_local_rank(name)
+    return rank
+
+
+def dp_group(case: TrainCase, mesh):
+    """The process group of every dp rank beside this one (one tp coordinate): mesh["dp"]'s,
+    or the dp dimensions of a 3-D mesh flattened."""
+    if len(case.dp_dims) == 1:
+        return mesh["dp"].get_group()
+    return mesh[case.dp_dims]._flatten("dp").get_group()
 
 
 def parter(specs: dict):
@@ -85,7 +100,9 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     before wrapping or None)."""
     fx = fixture(case)
     model = build(case if seed is None else dataclasses.replace(case, seed=seed))
-    if tp:
+    if tp and case.dp_mesh_dims:
+        model = on_the_whole_mesh(case, model, mesh)
+    elif tp:
         model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
             fx.after_parallelize(model)
@@ -99,17 +116,66 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     return model, before, early
 
 
+def on_the_whole_mesh(case: TrainCase, model, mesh):
+    """The SPMD form (TrainCase.dp_mesh_dims): each parameter a DTensor on the whole mesh,
+    Replicate() on the dp dimensions and placed on tp as the plan's styles place it (read from
+    a twin parallelized on mesh["tp"]), each buffer replicated. No style's hooks are left: the
+    forward is DTensor's own program over inputs sharded on dp (``spmd_io``), as fully_shard's
+    dp_mesh_dims expects."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    twin = apply_tp(fixture(case), case, build(case), mesh)
+    placed = {n: p.placements for n, p in twin.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
+    made: dict[int, nn.Parameter] = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if id(p) not in made:  # a tied parameter stays one
+            where = (Replicate(),) * len(case.dp_dims) + placed.get(name, (Replicate(),))
+            made[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, where), requires_grad=p.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, made[id(p)])
+    for name, b in list(model.named_buffers()):  # replicated everywhere, as distribute_module leaves them
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = distribute_tensor(b, mesh, (Replicate(),) * mesh.ndim)
+    return model
+
+
+def spmd_io(case: TrainCase, mesh) -> dict:
+    """Run's ``inputs`` and ``rows_of`` for the SPMD form: this rank's rows as DTensors sharded
+    on every dp dimension (Replicate() on tp), and an output's batch-shaped DTensor leaves
+    back as this rank's rows (the others whole)."""
+    if not case.dp_mesh_dims:
+        return {}
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor import Replicate, Shard
+
+    rows = (Shard(0),) * len(case.dp_dims) + (Replicate(),)
+
+    def inputs(local: dict) -> dict:
+        return {k: DTensor.from_local(v, mesh, rows, run_check=False) for k, v in local.items()}
+
+    def rows_of(out):
+        def local(t):
+            if not isinstance(t, DTensor):
+                return t
+            batch = t.dim() and t.shape[0] == case.global_batch
+            return t.redistribute(mesh, rows).to_local() if batch else t.full_tensor()
+        return pytree.tree_map_only(torch.Tensor, local, out)
+
+    return {"inputs": inputs, "rows_of": rows_of}
+
+
 def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
     """How ``train`` drives the wrapped model on this rank's rows. The layouts are recorded
     from ``before`` (the TP'd parameters) so that a transform that garbles its own record
     of them cannot fool the assembly."""
     specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)} | (wrapped.layouts or {})
-    return Run(wrapped.model, wrapped.inner, rows(case, mesh.get_local_rank("dp")),
+    return Run(wrapped.model, wrapped.inner, rows(case, dp_rank(case, mesh)),
                part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
                handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
                before_wrap=before, whole_params=wrapped.whole_params,
                state_unobserved=wrapped.state_unobserved, sync_ignored=averaging_ignored(case, wrapped, mesh),
-               ignored=ignored_names(case, wrapped.inner, before))
+               ignored=ignored_names(case, wrapped.inner, before), **spmd_io(case, mesh))
 
 
 def ignored_names(case: TrainCase, inner, before: dict) -> tuple[str, ...]:
@@ -124,12 +190,12 @@ def ignored_names(case: TrainCase, inner, before: dict) -> tuple[str, ...]:
 
 def averaging_ignored(case: TrainCase, wrapped, mesh):
     """What a user who trains the parameters DP ignores does each step: average their
-    gradients over mesh["dp"] (a DTensor's local shard, each tp rank its own)."""
-    if case.habits.ignored != "trained":
+    gradients over the dp ranks (a DTensor's local shard, each tp rank its own)."""
+    if case.habits.ignored != "trained" or case.dp_mesh_dims:  # SPMD: the DTensor program reduces them itself
         return lambda: None
     import torch.distributed as dist
 
-    params, group = list(ignorable(wrapped.inner).parameters()), mesh["dp"].get_group()
+    params, group = list(ignorable(wrapped.inner).parameters()), dp_group(case, mesh)
 
     def average():
         for p in params:
@@ -140,22 +206,24 @@ def averaging_ignored(case: TrainCase, wrapped, mesh):
     return average
 
 
-def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = True) -> Trace:
+def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = True, dp: bool = True) -> Trace:
     """On every rank: TP on the tp sub-mesh, the case's DP entry point, K steps.
 
     With ``tp=False`` the unsharded model goes through the same entry point on the same
-    dp groups (the transform finds no DTensor and does nothing): the plain-DP oracle.
+    dp groups (the transform finds no DTensor and does nothing): the plain-DP oracle. With
+    ``dp=False`` no DP wrapper at all: for the SPMD form, DTensor itself reduces the
+    gradients over dp, the oracle of fully_shard's dp_mesh_dims.
     """
     from tpdp_verify.impls.select import installed, load
-    from tpdp_verify.ranks.entries import WRAP, precision
+    from tpdp_verify.ranks.entries import WRAP, Wrapped, precision
     from tpdp_verify.ranks.pool import device_mesh
 
     impl = load(impl_name)
-    mesh = device_mesh(case.mesh_shape, MESH_DIMS)
+    mesh = device_mesh(case.mesh_shape, case.mesh_dims)
     with installed(impl):
         model, before, early = tp_model(case, mesh, tp)
         try:
-            wrapped = WRAP[case.entry](model, case, mesh, impl)
+            wrapped = WRAP[case.entry](model, case, mesh, impl) if dp else Wrapped(model, model, contextlib.nullcontext)
         except Exception as exc:
             return _failed(f"wrapping with {case.entry}", exc)
         run = run_of(case, wrapped, mesh, before)

@@ -136,7 +136,7 @@ def _internal(name: str, exc: BaseException) -> BaseException:
 def _outcome(prop: Property, pool: RankPool, profile: Profile, status: str, start: float, stats: Stats,
              **details) -> Outcome:
     return Outcome(prop.name, pool.world_size, status, time.monotonic() - start, stats, backend=pool.backend,
-                   wanted=profile.max_examples, **details)
+                   wanted=prop.under(profile).max_examples, **details)
 
 
 def _findings(prop: Property, pool: RankPool, impl: str, found, stats: Stats, reported: list[str]
@@ -331,8 +331,8 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
         f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})",
     ]
     if short:
-        out.append(f"{len(short)} searches drew fewer than {profile.max_examples} examples: "
-                   + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn}"
+        out.append(f"{len(short)} searches drew fewer examples than they ask: "
+                   + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn} of {o.wanted}"
                                f"{', ' + o.stats.stopped_because if o.stats.stopped_because else ''})"
                                for o in short))
     replays = sum(o.stats.replays for o in outcomes)

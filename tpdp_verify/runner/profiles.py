@@ -44,7 +44,7 @@ class Profile:
 
     @property
     def settings(self) -> settings:
-        registered = settings.get_profile(f"tpdp-{self.name}")
+        registered = settings(settings.get_profile(f"tpdp-{self.name}"), max_examples=self.max_examples)
         if self.shrink:
             return registered
         return settings(registered, phases=[Phase.explicit, Phase.reuse, Phase.generate])

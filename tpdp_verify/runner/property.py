@@ -65,7 +65,7 @@ def region(drawn: dict | None) -> str:
     case = (drawn or {}).get("case")
     if isinstance(getattr(case, "region", None), str):
         return case.region
-    entry, model, mesh = (getattr(case, a, None) for a in ("entry", "model", "mesh_shape"))
+    entry, model, mesh = (getattr(case, a, None) for a in ("dp_form", "model", "mesh_shape"))
     if not (isinstance(entry, str) and isinstance(model, str) and mesh):
         return ""
     return f"{entry} {model} {mesh_kind(mesh)}"
@@ -229,6 +229,15 @@ class Property:
     # cases a profile must reach whatever hypothesis draws (the simplest case of every
     # zoo model). Their failures are findings; they never stop the search.
     cover: Callable[[dict], list[dict]] | None = field(default=None, repr=False)
+    # (profile name, examples): the most this property draws under that profile, where a
+    # full search costs more than the profile's budget holds; its cover cases still run
+    examples: tuple[tuple[str, int], ...] = ()
+
+    def under(self, profile: Profile) -> Profile:
+        """``profile`` as this property runs under it: its examples capped where declared."""
+        cap = dict(self.examples).get(profile.name)
+        return profile if cap is None or cap >= profile.max_examples else \
+            dataclasses.replace(profile, max_examples=cap)
 
     @property
     def doc(self) -> str:
@@ -253,6 +262,7 @@ class Property:
         run goes, so it is there even when the run raises.
         """
         stats = Stats() if stats is None else stats
+        profile = self.under(profile)
         known = {} if learn and known is None else known
         if known is not None and not callable(known):
             known = KnownParts(known)
@@ -374,14 +384,15 @@ def case_types(value) -> set[type]:
 
 
 def tpdp_property(*, min_world_size: int = 1, cover: Callable[[dict], list[dict]] | None = None,
-                  **strategies) -> Callable[[Callable], Property]:
+                  examples: dict[str, int] | None = None, **strategies) -> Callable[[Callable], Property]:
     """Declare ``fn(pool, impl, **drawn)`` a property with strategies for ``drawn``.
 
     A strategy may also be a function of the pool's world size, for cases (mesh shapes)
-    that depend on it. ``cover`` gives explicit examples from the strategies (see Property).
+    that depend on it. ``cover`` gives explicit examples from the strategies (see Property);
+    ``examples``, the most it draws under a profile (``{"ci": 10}``).
     """
 
     def declare(fn: Callable) -> Property:
-        return Property(fn.__name__, fn, strategies, min_world_size, cover)
+        return Property(fn.__name__, fn, strategies, min_world_size, cover, tuple(sorted((examples or {}).items())))
 
     return declare

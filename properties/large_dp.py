@@ -1,0 +1,133 @@
+"""The DP that large models train with: HSDP over a 2-D DP mesh with TP on a third dimension,
+and fully_shard over the whole SPMD mesh.
+
+A drawn case is a ``TrainCase`` like every other training property's, on a 3-D
+(dp_replicate, dp_shard, tp) mesh as torchtitan builds it, or on any mesh with
+``dp_mesh_dims`` set (how DP sees the mesh: one dimension of the case); the same ranks,
+oracles and verdicts judge it. These properties draw from a space of their own, so that the
+other properties' draws, and the baseline learned from them, stay as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hypothesis import strategies as st
+
+from tpdp_verify.cases.training import (
+    BUILT,
+    FSDP1_HYBRID,
+    FSDP2_ENTRIES,
+    HSDP_ENTRIES,
+    LOSS_REDUCTIONS,
+    SPMD_FORMS,
+    FSDP2Options,
+    TrainCase,
+)
+from tpdp_verify.fixtures.zoo import ZOO
+from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
+from tpdp_verify.properties.exclusions import REFUSED_ON_2D_DP_MESH
+from tpdp_verify.properties.strategies import factorizations
+from tpdp_verify.properties.training import (
+    _fsdp2_options,
+    _habits,
+    _one_of,
+    _sizes,
+    every_entry,
+    meshes,
+    run_fields,
+    weighted,
+)
+from tpdp_verify.runner.property import tpdp_property, worth_explaining
+
+
+def hsdp_meshes(world_size: int) -> tuple[tuple[int, int, int], ...]:
+    """(dp_replicate, dp_shard, tp) meshes, as often as they matter: every dimension real
+    four times, TP with one real dp dimension twice, the rest (HSDP without TP, TP or DP
+    alone) once each. Order kept: shrinking goes to the first."""
+    def weight(shape):
+        return 4 if min(shape) > 1 else 2 if shape[2] > 1 and max(shape[:2]) > 1 else 1
+
+    shapes = sorted(factorizations(world_size, 3), key=lambda s: (-weight(s), s))
+    return tuple(s for s in shapes for _ in range(weight(s)))
+
+
+# How DP sees the mesh: a 2-D DP sub-mesh of a 3-D mesh (HSDP), or the whole SPMD mesh
+# (fully_shard's dp_mesh_dims, on a 2-D or a 3-D mesh). Each its own region.
+VIEWS = ("hsdp", "spmd")
+
+
+def spmd_meshes(world_size: int) -> tuple[tuple[int, ...], ...]:
+    """The meshes the SPMD form is drawn on: (dp, tp) ones, then 3-D ones, weighted alike."""
+    return weighted(meshes(world_size)) + hsdp_meshes(world_size)
+
+
+@st.composite
+def large_dp_cases(draw, world_size: int, half: bool = False) -> TrainCase:
+    """Cases of ``world_size`` ranks: HSDP on a 3-D mesh through each entry point that takes a
+    2-D DP mesh (FSDP1 with a hybrid sharding strategy), or fully_shard over the whole SPMD
+    mesh with each form of dp_mesh_dims and each reduction of the loss over the global batch;
+    with FSDP2's options and the training habits.
+    ``half``: always a mixed-precision policy for FSDP2 (trains_like_plain_dp's)."""
+    view = draw(_one_of(VIEWS))
+    mesh = draw(_one_of(hsdp_meshes(world_size) if view == "hsdp" else spmd_meshes(world_size)))
+    model = draw(_one_of(tuple(ZOO)))
+    if view == "hsdp":
+        entry, spmd = draw(_one_of(tuple(e for e in HSDP_ENTRIES if e not in REFUSED_ON_2D_DP_MESH))), ""
+    else:
+        entry, spmd = "fully_shard", draw(_one_of(SPMD_FORMS if len(mesh) == 3 else SPMD_FORMS[:2]))
+    fsdp = draw(_fsdp2_options(half)) if entry in FSDP2_ENTRIES else FSDP2Options()
+    return TrainCase(
+        model=model,
+        size=draw(_sizes(model, mesh[-1])),
+        mesh_shape=mesh,
+        entry=entry,
+        fsdp=fsdp,
+        habits=draw(_habits(model, entry, False)),
+        **run_fields(draw, entry, BUILT, fsdp),
+        fsdp1_strategy=draw(_one_of(FSDP1_HYBRID)) if entry == "fsdp1" else "",
+        dp_mesh_dims=spmd,
+        loss_reduction=draw(_one_of(LOSS_REDUCTIONS)) if spmd else "",
+    )
+
+
+def plain_dp_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
+    return large_dp_cases(world_size, half=True)
+
+
+def every_form(strategies: dict) -> list[dict]:
+    """The MLP's simplest case in every form, on the 3-D meshes drawn most (both (1, 2, 2) and
+    (2, 1, 2) on 4 ranks, so that each dp dimension is real in one) and the first 2-D mesh:
+    FSDP1 with each hybrid strategy, fully_shard on the 2-D DP mesh, and fully_shard with each
+    form of dp_mesh_dims. 40 drawn cases meet each form a few times, the MLP's once or never."""
+    found = {c.entry: c for c in every_entry(strategies, HSDP_ENTRIES)}
+    if not found:
+        return []
+    world = math.prod(next(iter(found.values())).mesh_shape)
+    drawn = hsdp_meshes(world)
+    first = [m for m in dict.fromkeys(drawn) if drawn.count(m) == drawn.count(drawn[0])]  # the most drawn
+    two = weighted(meshes(world))[0]
+
+    def on(entry, mesh, **form):
+        return dataclasses.replace(found[entry], mesh_shape=mesh, **{"dp_mesh_dims": "", "fsdp1_strategy": ""} | form)
+
+    forms = [on("fsdp1", m, fsdp1_strategy=s) for m in first for s in FSDP1_HYBRID] if "fsdp1" in found else []
+    if "fully_shard" in found:
+        forms += [on("fully_shard", m, dp_mesh_dims=f) for m in (*first, two) for f in ("", *SPMD_FORMS)
+                  if (f != "both" and f) or len(m) == 3]
+    return [{"case": c} for c in forms]
+
+
+# ci draws 15 cases a property beside the cover cases' 14: its 5 minutes hold no more
+# (docs/performance.md, "The DP that large models train with")
+@tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 15}, case=large_dp_cases)
+def large_dp_trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
+    """HSDP x TP on a 3-D mesh, and fully_shard over the whole SPMD mesh, train like the unsharded model on one device."""
+    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
+
+
+@tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 15}, case=plain_dp_cases)
+def large_dp_trains_like_plain_dp(pool, impl: str, case: TrainCase) -> None:
+    """The same like HSDP without TP, and like the SPMD program without fully_shard, mixed precision included."""
+    verdict_plain_ddp(pool, impl, case).raise_if_failed()
