@@ -26,7 +26,7 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     if case.entry == "own":  # the user's function wraps DP with TP: it has no run without TP
         return
     if case.dp_mesh_dims:
-        verdict.beside = "the same DTensor program without fully_shard"
+        verdict.beside = f"the same DTensor program without {case.entry}"
     observed, failed = aside(pool.run, observe_plain_ddp, case)
     if failed:
         verdict.plain_ddp = failed
@@ -34,7 +34,7 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     plain, checks = assemble(case, observed)
     alone = judge_training(case, plain, *oracle(case))
     alone.checks[:0] = checks
-    verdict.plain_ddp = f"trains like one device: the departure is {'fully_shard' if case.dp_mesh_dims else 'TP+DP'}'s" \
+    verdict.plain_ddp = f"trains like one device: the departure is {case.entry if case.dp_mesh_dims else 'TP+DP'}'s" \
         if alone.ok else \
         f"departs too ({alone.kind}): the departure is {'DTensor' if case.dp_mesh_dims else case.entry}'s own"
 

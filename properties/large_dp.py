@@ -23,6 +23,7 @@ from tpdp_verify.cases.training import (
     LOSS_REDUCTIONS,
     SPMD_FORMS,
     FSDP2Options,
+    Size,
     TrainCase,
 )
 from tpdp_verify.fixtures.zoo import ZOO
@@ -53,8 +54,10 @@ def hsdp_meshes(world_size: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(s for s in shapes for _ in range(weight(s)))
 
 
+SHARD_DIMS = (0, 1)  # FSDP2Options.shard_dim: torch's default dim, and another
+
 # How DP sees the mesh: a 2-D DP sub-mesh of a 3-D mesh (HSDP), or the whole SPMD mesh
-# (fully_shard's dp_mesh_dims, on a 2-D or a 3-D mesh). Each its own region.
+# (FSDP2's dp_mesh_dims, on a 2-D or a 3-D mesh). Each its own region.
 VIEWS = ("hsdp", "spmd")
 
 
@@ -66,9 +69,10 @@ def spmd_meshes(world_size: int) -> tuple[tuple[int, ...], ...]:
 @st.composite
 def large_dp_cases(draw, world_size: int, half: bool = False) -> TrainCase:
     """Cases of ``world_size`` ranks: HSDP on a 3-D mesh through each entry point that takes a
-    2-D DP mesh (FSDP1 with a hybrid sharding strategy), or fully_shard over the whole SPMD
-    mesh with each form of dp_mesh_dims and each reduction of the loss over the global batch;
-    with FSDP2's options and the training habits.
+    2-D DP mesh (FSDP1 with a hybrid sharding strategy), or FSDP2 over the whole SPMD mesh
+    (fully_shard with each form of dp_mesh_dims, its replicate with the replicating one) and
+    each reduction of the loss over the global batch; with FSDP2's options (fully_shard
+    sharding on another dim than 0 too) and the training habits.
     ``half``: always a mixed-precision policy for FSDP2 (trains_like_plain_dp's)."""
     view = draw(_one_of(VIEWS))
     mesh = draw(_one_of(hsdp_meshes(world_size) if view == "hsdp" else spmd_meshes(world_size)))
@@ -76,8 +80,12 @@ def large_dp_cases(draw, world_size: int, half: bool = False) -> TrainCase:
     if view == "hsdp":
         entry, spmd = draw(_one_of(tuple(e for e in HSDP_ENTRIES if e not in REFUSED_ON_2D_DP_MESH))), ""
     else:
-        entry, spmd = "fully_shard", draw(_one_of(SPMD_FORMS if len(mesh) == 3 else SPMD_FORMS[:2]))
+        entry = draw(_one_of(FSDP2_ENTRIES))
+        spmd = "replicate" if entry == "replicate_fsdp" else \
+            draw(_one_of(SPMD_FORMS if len(mesh) == 3 else SPMD_FORMS[:2]))
     fsdp = draw(_fsdp2_options(half)) if entry in FSDP2_ENTRIES else FSDP2Options()
+    if entry == "fully_shard" and spmd != "replicate":  # a shard_placement_fn where FSDP shards
+        fsdp = dataclasses.replace(fsdp, shard_dim=draw(_one_of(SHARD_DIMS)))
     return TrainCase(
         model=model,
         size=draw(_sizes(model, mesh[-1])),
@@ -99,8 +107,9 @@ def plain_dp_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 def every_form(strategies: dict) -> list[dict]:
     """The MLP's simplest case in every form, on the 3-D meshes drawn most (both (1, 2, 2) and
     (2, 1, 2) on 4 ranks, so that each dp dimension is real in one) and the first 2-D mesh:
-    FSDP1 with each hybrid strategy, fully_shard on the 2-D DP mesh, and fully_shard with each
-    form of dp_mesh_dims. 40 drawn cases meet each form a few times, the MLP's once or never."""
+    FSDP1 with each hybrid strategy, fully_shard on the 2-D DP mesh and with each form of
+    dp_mesh_dims (and sharding on dim 1), FSDP2's replicate with dp_mesh_dims. 40 drawn
+    cases meet each form a few times, the MLP's once or never."""
     found = {c.entry: c for c in every_entry(strategies, HSDP_ENTRIES)}
     if not found:
         return []
@@ -116,6 +125,12 @@ def every_form(strategies: dict) -> list[dict]:
     if "fully_shard" in found:
         forms += [on("fully_shard", m, dp_mesh_dims=f) for m in (*first, two) for f in ("", *SPMD_FORMS)
                   if (f != "both" and f) or len(m) == 3]
+        # a dim 1 that splits evenly over the shard ranks, where FSDP shards
+        wide = dataclasses.replace(found["fully_shard"].fsdp, shard_dim=1)
+        forms += [dataclasses.replace(on("fully_shard", first[0], dp_mesh_dims=f), size=Size(dim=8, hidden=8),
+                                      fsdp=wide) for f in ("", "shard", "both")]
+    if "replicate_fsdp" in found:
+        forms += [on("replicate_fsdp", m, dp_mesh_dims="replicate") for m in (*first, two)]
     return [{"case": c} for c in forms]
 
 

@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                     "function tp_mesh -> dict, or auto: the model's own tp_plan (transformers')")
     tp.add_argument("--parallelize", metavar="MODULE:FN",
                     help="your own parallelize_fn(model, mesh) -> model: applies TP (and any fix-up) to "
-                    "mesh['tp'] of the (dp, tp) mesh; tpdp-verify still wraps DP per --dp, unless --dp own says "
+                    "mesh['tp'] of the (dp, tp) or (dp_replicate, dp_shard, tp) mesh; tpdp-verify still wraps DP per --dp, unless --dp own says "
                     "your function wraps it too")
     plan.add_argument("--input", required=True, metavar="MODULE:FN",
                       help="input_fn(n, generator): the input of n samples, or a dict with it under 'input'")
@@ -88,11 +88,15 @@ def _parser() -> argparse.ArgumentParser:
                       "(default: mean square)")
     plan.add_argument("--optimizer", metavar="MODULE:FN", help="optimizer_fn(params) (default: SGD, lr 0.1, "
                       "momentum 0.9)")
-    plan.add_argument("--mesh", default="1x2", type=_mesh, help="DPxTP (default: 1x2)")
+    plan.add_argument("--mesh", default="1x2", type=_mesh,
+                      help="DPxTP, or DP_REPLICATExDP_SHARDxTP for HSDP (default: 1x2)")
     plan.add_argument("--dp", default="ddp",
-                      choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1", "replicate_fsdp", "own"),
+                      choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1", "replicate_fsdp", "own",
+                               "hsdp", "fsdp1_hybrid", "spmd_shard", "spmd_replicate", "spmd_hsdp"),
                       help="the DP entry point tpdp-verify wraps the TP'd model in; own: --parallelize applies "
-                      "DP itself (no plain-DP run then)")
+                      "DP itself (no plain-DP run then); hsdp, fsdp1_hybrid (and fsdp2, fsdp1 on a 3-D mesh): "
+                      "over mesh['dp_replicate', 'dp_shard']; spmd_*: fully_shard over the whole mesh with "
+                      "dp_mesh_dims sharding, replicating, or both (3-D)")
     plan.add_argument("--steps", type=int, default=3)
     plan.add_argument("--batch", type=int, help="global batch, a multiple of DP (default: 2 * DP)")
     plan.add_argument("--accumulate", type=int, default=1, help="microbatches a step")
@@ -404,12 +408,14 @@ def _internal_log(exc: BaseException) -> str:
     return f.name
 
 
-def _mesh(text: str) -> tuple[int, int]:
+def _mesh(text: str) -> tuple[int, ...]:
     try:
-        dp, tp = (int(d) for d in text.lower().split("x"))
+        dims = tuple(int(d) for d in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not DPxTP, e.g. 2x2") from None
-    return dp, tp
+        dims = ()
+    if len(dims) not in (2, 3) or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not DPxTP or DP_REPLICATExDP_SHARDxTP, e.g. 2x2 or 2x2x2")
+    return dims
 
 
 def _named(path: str, what: str):
@@ -463,8 +469,8 @@ def _plan_case(args: argparse.Namespace) -> dict:
     """The case of a plan run, as its report's JSON names it, from the options alone."""
     from tpdp_verify.cases.training import DP
 
-    dp, tp = args.mesh
-    return {"model": args.model, "mesh": [dp, tp], "dp": DP[args.dp], "steps": args.steps,
+    dp = math.prod(args.mesh[:-1])
+    return {"model": args.model, "mesh": list(args.mesh), "dp": DP[args.dp], "steps": args.steps,
             "accumulate": args.accumulate, "batch": args.batch or 2 * dp, "dtype": args.dtype, "seed": args.seed}
 
 

@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 from typing import Callable
 
+from tpdp_verify.cases import mesh_text
 from tpdp_verify.errors import UsageError
 from tpdp_verify.files import write_whole
 
@@ -228,7 +229,7 @@ def _plan_markdown(record: dict) -> str:
     c = record["case"]
     verdict = "INTERRUPTED" if record.get("interrupted") else "PASS" if record["ok"] else "DIVERGES"
     out = [f"# tpdp-verify plan: {c['model']}: {verdict}", "",
-           f"torch {record['torch']}, mesh (dp={c['mesh'][0]}, tp={c['mesh'][1]}), dp={c['dp']}, {c['steps']} steps, "
+           f"torch {record['torch']}, mesh {mesh_text(c['mesh'])}, dp={c['dp']}, {c['steps']} steps, "
            f"{c['dtype']}: {record['seconds']:.1f} s, exit code {record['exit_code']}.", "",
            "| check | result | compared | detail |", "| --- | --- | ---: | --- |"]
     out += [f"| {x['check']} | {'ok' if x['ok'] else 'not compared' if x['ok'] is None else 'FAIL'} | "

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tpdp_verify.cases import mesh_text
 from tpdp_verify.cases.training import DP, TrainCase
 from tpdp_verify.judging.verdict import Row, Verdict, on_ranks
 from tpdp_verify.runner.baseline import anchor
@@ -172,9 +173,9 @@ class Report:
 
     def _title(self) -> str:
         c = self.case
-        dp = next((k for k, v in DP.items() if v == c.entry), c.entry)
+        dp = next((k for k, v in DP.items() if v == c.entry), c.entry) if c.dp_form == c.entry else c.dp_form
         status = {"KNOWN": f"PASS but for known torch faults ({self.baseline})"}.get(self.status, self.status)
-        return (f"{c.model} with TP on mesh (dp={c.dp}, tp={c.tp}), dp={dp}, {c.steps} step"
+        return (f"{c.model} with TP on mesh {mesh_text(c.mesh_shape)}, dp={dp}, {c.steps} step"
                 f"{'s' if c.steps > 1 else ''}, {c.dtype}: {status}")
 
     def _known_lines(self) -> list[str]:

@@ -9,3 +9,9 @@ def mesh_kind(mesh: tuple[int, ...]) -> str:
         return f"3-D: {' x '.join(real) or 'one rank'}"
     dp, tp = mesh[0], mesh[-1]
     return "dp x tp" if dp > 1 and tp > 1 else "tp" if tp > 1 else "dp" if dp > 1 else "one rank"
+
+
+def mesh_text(mesh) -> str:
+    """A mesh as a report names it: "(dp=2, tp=2)", "(dp_replicate=2, dp_shard=2, tp=2)"."""
+    names = ("dp_replicate", "dp_shard", "tp") if len(mesh) == 3 else ("dp", "tp")
+    return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh)) + ")"

@@ -21,7 +21,16 @@ ENTRIES = (
 # verify_plan's names for them (tpdp_verify.plan); "own": the user's parallelize function
 # applies DP itself (tpdp_verify.ranks.entries.wrap_own finds which).
 DP = {"ddp": "transform_ddp", "ddp_mesh": "ddp_mesh", "replicate": "replicate",
-      "fsdp2": "fully_shard", "fsdp1": "fsdp1", "replicate_fsdp": "replicate_fsdp", "own": "own"}
+      "fsdp2": "fully_shard", "fsdp1": "fsdp1", "replicate_fsdp": "replicate_fsdp", "own": "own",
+      "hsdp": "fully_shard", "fsdp1_hybrid": "fsdp1",
+      "spmd_shard": "fully_shard", "spmd_replicate": "fully_shard", "spmd_hsdp": "fully_shard"}
+# What the names of the forms large models train with set beside the entry point
+# (TrainCase.fsdp1_strategy, TrainCase.dp_mesh_dims); "hsdp" and "fsdp1_hybrid" are fsdp2 and
+# fsdp1 on a 3-D mesh, whose 2-D DP mesh FSDP1 takes only with a hybrid strategy.
+DP_FORMS = {"fsdp1_hybrid": {"fsdp1_strategy": "HYBRID_SHARD"}, "spmd_shard": {"dp_mesh_dims": "shard"},
+            "spmd_replicate": {"dp_mesh_dims": "replicate"}, "spmd_hsdp": {"dp_mesh_dims": "both"}}
+ON_3D_ONLY = ("hsdp", "fsdp1_hybrid", "spmd_hsdp")  # names that need a (dp_replicate, dp_shard, tp) mesh
+ON_3D_TOO = ("fsdp2", "fsdp1", "own", "spmd_shard", "spmd_replicate")  # names that take either mesh
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 FSDP2_ENTRIES = ("fully_shard", "replicate_fsdp")  # those that take FSDP2Options
 # Those that take a 2-D DP mesh (HSDP: replicated over its first dimension, sharded over its
@@ -32,10 +41,10 @@ HSDP_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # FSDP1's sharding strategies: those of a 1-D DP mesh, then the hybrid ones a 2-D DP mesh needs.
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 FSDP1_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-# How fully_shard sees the mesh (TrainCase.dp_mesh_dims): "" a DP sub-mesh, as every entry
-# point takes it; else the whole SPMD mesh with DataParallelMeshDims naming its dp
-# dimensions: "shard" (FSDP over them), "replicate" (DDP-like over them), "both" (HSDP:
-# replicated over dp_replicate, sharded over dp_shard; 3-D meshes only).
+# How FSDP2 sees the mesh (TrainCase.dp_mesh_dims): "" a DP sub-mesh, as every entry point
+# takes it; else the whole SPMD mesh with DataParallelMeshDims naming its dp dimensions:
+# "shard" (FSDP over them), "replicate" (DDP-like over them: the one form FSDP2's replicate
+# takes), "both" (HSDP: replicated over dp_replicate, sharded over dp_shard; 3-D meshes only).
 SPMD_FORMS = ("shard", "replicate", "both")
 # How the loss a run backpropagates reduces its samples' weighted losses, as users write it
 # (TrainCase.loss_reduction): "" their mean; "sum"; "sum_over_count", the sum divided by the
@@ -149,6 +158,12 @@ class FSDP2Options:
 
     reshard_after_forward: bool = True  # fully_shard only: free the unsharded parameters after forward
     mixed_precision: str | None = None  # MixedPrecisionPolicy(param_dtype=this, reduce_dtype=float32)
+    # fully_shard only: its shard_placement_fn shards each parameter on this dim where it
+    # splits evenly over the shard ranks (torch requires it off dim 0), else on dim 0
+    shard_dim: int = field(default=0, repr=False)
+
+    def __repr__(self) -> str:
+        return _repr(self, late=("shard_dim",), default=0)
 
     def kwargs(self, entry: str) -> dict:
         out = {"reshard_after_forward": self.reshard_after_forward} if entry == "fully_shard" else {}
@@ -305,7 +320,7 @@ class TrainCase:
     def dp_form(self) -> str:
         """The entry point as a region names it: with FSDP1's strategy, or how fully_shard
         sees the mesh, where the case sets one."""
-        form = f"fully_shard(dp_mesh_dims={self.dp_mesh_dims})" if self.dp_mesh_dims else self.entry
+        form = f"{self.entry}(dp_mesh_dims={self.dp_mesh_dims})" if self.dp_mesh_dims else self.entry
         return f"{form}({self.fsdp1_strategy})" if self.fsdp1_strategy else form
 
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tpdp_verify.cases.training import DP, TRAIN_DTYPES, DDPOptions, TrainCase
+from tpdp_verify.cases.training import DP, DP_FORMS, ON_3D_ONLY, ON_3D_TOO, TRAIN_DTYPES, DDPOptions, TrainCase
 from tpdp_verify.errors import UsageError
 
 
@@ -32,7 +33,10 @@ def mean_square(out, batch: dict) -> torch.Tensor:
 
     rows = len(next(iter(batch.values())))
     out = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() and len(t) == rows), out)
-    out = out.full_tensor() if isinstance(out, DTensor) else out
+    if isinstance(out, DTensor):  # whole but for the batch's rows where DP shards them (the SPMD form)
+        from torch.distributed.tensor import Replicate
+
+        out = out.redistribute(placements=[p if p.is_shard(0) else Replicate() for p in out.placements])
     return out.reshape(len(out), -1).pow(2).mean(1)
 
 
@@ -90,19 +94,25 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
         raise UsageError(f"plan is a {type(plan).__name__}; give a dict as parallelize_module takes it "
                          "(module path -> ParallelStyle, or transformers' style string), a function "
                          "tp_mesh -> dict, or 'auto' for the model's own tp_plan")
-    if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2
+    if (not isinstance(mesh, (tuple, list)) or len(mesh) not in (2, 3)
             or not all(isinstance(d, int) and d >= 1 for d in mesh)):
-        raise UsageError(f"mesh must be (dp, tp), two positive ints, not {mesh!r}")
+        raise UsageError(f"mesh must be (dp, tp) or (dp_replicate, dp_shard, tp), positive ints, not {mesh!r}")
     if dp not in DP:
         raise UsageError(f"dp must be one of {', '.join(DP)}, not {dp!r}")
+    if len(mesh) == 3 and dp not in ON_3D_ONLY + ON_3D_TOO:
+        raise UsageError(f"dp={dp!r} takes a 1-D DP mesh; a (dp_replicate, dp_shard, tp) mesh takes "
+                         f"{', '.join(ON_3D_ONLY + ON_3D_TOO)}")
+    if len(mesh) == 2 and dp in ON_3D_ONLY:
+        raise UsageError(f"dp={dp!r} needs a (dp_replicate, dp_shard, tp) mesh, e.g. mesh=(2, 2, 2)")
+    dp_ranks = math.prod(mesh[:-1])
     name = str(dtype).removeprefix("torch.")
     if name not in TRAIN_DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(TRAIN_DTYPES)}, not {name}")
     if not isinstance(steps, int) or steps < 1 or not isinstance(accumulate, int) or accumulate < 1:
         raise UsageError(f"steps and accumulate must be positive ints, not {steps!r} and {accumulate!r}")
-    batch = 2 * mesh[0] if batch is None else batch
-    if not isinstance(batch, int) or batch < mesh[0] or batch % mesh[0]:
-        raise UsageError(f"batch={batch!r} does not split over dp={mesh[0]} ranks: give a multiple of {mesh[0]}")
+    batch = 2 * dp_ranks if batch is None else batch
+    if not isinstance(batch, int) or batch < dp_ranks or batch % dp_ranks:
+        raise UsageError(f"batch={batch!r} does not split over dp={dp_ranks} ranks: give a multiple of {dp_ranks}")
     try:  # a list (bucket_cap_mb_list) as a tuple: a case is hashable
         ddp = DDPOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in (ddp_options or {}).items()})
     except TypeError as exc:
@@ -110,5 +120,6 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     user = UserModel(model_fn, plan if plan is None or callable(plan) or plan == "auto" else tuple(plan.items()),
                      input_fn,
                      loss_fn, optimizer_fn, loss_parallel, parallelize_fn)
+    form = DP_FORMS.get("fsdp1_hybrid" if (dp, len(mesh)) == ("fsdp1", 3) else dp, {})
     return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
-                     accumulate=accumulate, local_batch=batch // mesh[0], seed=seed, dtype=name, user=user)
+                     accumulate=accumulate, local_batch=batch // dp_ranks, seed=seed, dtype=name, user=user, **form)

@@ -233,7 +233,7 @@ def _wiring_problems(model: nn.Module, mesh, name: str, entry: str | None) -> li
                 return [f"parallelize_fn {name} applies TP to {pname} over mesh {spec.mesh.mesh_dim_names}, not "
                         "mesh['tp']: TP shards over the tp dimension, DP replicates over the dp one"]
     group = _dp_group(model, entry)
-    if group is None:
+    if group is None or "dp" not in mesh.mesh_dim_names:  # a 3-D mesh's DP is a 2-D mesh: no one group
         return []
     ranks, want = dist.get_process_group_ranks(group), dist.get_process_group_ranks(mesh["dp"].get_group())
     if ranks != want:

@@ -3,6 +3,7 @@ against the same DP without TP, as a ``Report``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Callable
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from tpdp_verify import signature
+from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import PoolError, RankFailed, UsageError
 from tpdp_verify.plan.replay import script
 from tpdp_verify.plan.case import make_case
@@ -18,22 +20,23 @@ from tpdp_verify.plan.preflight import check_inputs, check_on_ranks
 
 
 def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn: Callable | None = None,
-                mesh: tuple[int, int] = (1, 2),
+                mesh: tuple[int, ...] = (1, 2),
                 input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
                 steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "ddp",
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
                 replay: str | None = None, baseline: str | None = None, rank_output: str | None = None):
-    """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh and a DP entry point,
-    and compare it with one device and with plain DP; return a ``Report``.
+    """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh, or a (dp_replicate,
+    dp_shard, tp) one, and a DP entry point, and compare it with one device and with plain
+    DP; return a ``Report``.
 
     ``model_fn()`` builds the unsharded model from torch's global RNG (seeded with ``seed``
     first, alike on every rank). ``plan`` is what ``parallelize_module`` takes: a dict of
     module path (fnmatch wildcards per atom) -> ParallelStyle, or a function of the tp
     mesh returning one. Or, in place of a plan, ``parallelize_fn(model, mesh)``: the user's
     own function that applies TP (and any fix-up, such as re-tying weights) to the model,
-    given the whole (dp, tp) mesh as torchtitan's parallelize functions are; it returns
+    given the whole mesh as torchtitan's parallelize functions are; it returns
     the model. tpdp-verify still wraps DP per ``dp``, unless ``dp="own"``: then the function
     applies DP itself too (DDP, replicate, fully_shard or FSDP on ``mesh["dp"]``, returning
     the wrapper), tpdp-verify drives the wrapper it finds, and the plain-DP comparison is
@@ -43,7 +46,12 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
     ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
     ddp (``_pre_dp_module_transform`` then DDP on the dp group), ddp_mesh (DDP with the dp
-    sub-mesh), replicate, fsdp2 (``fully_shard``), fsdp1, or own (above). Runs on ``pool`` if given (its
+    sub-mesh), replicate, fsdp2 (``fully_shard``), fsdp1, or own (above); on a 3-D mesh fsdp2 or
+    hsdp (``fully_shard`` on ``mesh["dp_replicate", "dp_shard"]``), fsdp1 or fsdp1_hybrid (FSDP1
+    with HYBRID_SHARD there); spmd_shard, spmd_replicate, spmd_hsdp (3-D): ``fully_shard`` over
+    the whole mesh with ``dp_mesh_dims``, the parameters DTensors on it and the batches
+    DTensors sharded on dp (the plain-DP run is then that program without fully_shard).
+    Runs on ``pool`` if given (its
     world size must be dp * tp), else on a pool of its own. ``baseline`` (a file or a shipped
     name such as "torch-2.13.0"): departures that are faults it records for this DP entry
     point are labelled known, with their entry in docs/known-divergences.md, and the
@@ -64,7 +72,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
                      parallelize_fn=parallelize_fn)
-    known = _known_faults(baseline, case.entry, tuple(mesh)) if baseline else {}
+    known = _known_faults(baseline, case) if baseline else {}
     case = check_inputs(case)
     world = case.dp * case.tp
     if pool is not None and pool.world_size != world:
@@ -92,7 +100,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         if owned:
             pool.close()
     if case.entry == "own":
-        known = _known_faults(baseline, entry, tuple(mesh)) if baseline else {}
+        known = _known_faults(baseline, case, entry) if baseline else {}
     detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
         if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({entry})"
     return Report.of(case, keys, one, plain, replay or script(case, impl, plan, baseline), detail,
@@ -103,15 +111,20 @@ OWN_DP = "parallelize_fn wraps DP itself (dp='own'), so there is no run without 
 
 
 # The suite's training properties whose known faults a user's run can show, per oracle.
-_TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_one_device"),
-             "plain DDP": ("trains_like_plain_ddp",)}
+_TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_one_device",
+                            "large_dp_trains_like_one_device"),
+             "plain DDP": ("trains_like_plain_ddp", "large_dp_trains_like_plain_dp")}
 
 
-def _known_faults(name: str, dp_entry: str, mesh: tuple[int, int]) -> dict:
+def _known_faults(name: str, case: TrainCase, entry: str | None = None) -> dict:
+    """The known faults a user's run through the case's entry point (``entry``, where the
+    user's function chose it), in its form and on a mesh of its kind, can show."""
     from tpdp_verify.runner import baseline
 
     _, entries = baseline.load(name)  # a bad name or file: one line, before any rank starts
-    return {against: baseline.training_parts(entries, props, dp_entry, mesh) for against, props in _TRAINING.items()}
+    form = dataclasses.replace(case, entry=entry or case.entry).dp_form
+    return {against: baseline.training_parts(entries, props, form, case.mesh_shape)
+            for against, props in _TRAINING.items()}
 
 
 def _did_not_finish(exc: BaseException):

@@ -8,6 +8,7 @@ synchronization for accumulation microbatches.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 from torch import nn
@@ -114,9 +115,28 @@ def wrap_fully_shard(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed.fsdp import fully_shard
 
     where = {"mesh": mesh, "dp_mesh_dims": spmd_dims(case)} if case.dp_mesh_dims else {"mesh": dp_mesh(case, mesh)}
-    fully_shard(model, **where, **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
+    placed = {"shard_placement_fn": shard_placement(case, mesh)} if case.fsdp.shard_dim else {}
+    fully_shard(model, **where, **placed, **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
     return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
 
+
+def shard_placement(case: TrainCase, mesh):
+    """fully_shard's shard_placement_fn for FSDP2Options.shard_dim, as users write one (a
+    grouped expert weight sharded on its second dim): that dim where the parameter (its tp
+    shard) splits evenly over the ranks FSDP shards over, which torch requires off dim 0;
+    else dim 0."""
+    from torch.distributed.tensor import Shard
+
+    # HSDP (on the 2-D DP mesh, or dp_mesh_dims both) shards over dp_shard; the rest over every dp dim
+    names = ("dp_shard",) if len(case.dp_dims) == 2 and case.dp_mesh_dims != "shard" else case.dp_dims
+    ranks = math.prod(mesh.size(mesh.mesh_dim_names.index(n)) for n in names)
+
+    def place(param):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        dim = case.fsdp.shard_dim
+        return Shard(dim) if local.dim() > dim and local.shape[dim] % ranks == 0 else Shard(0)
+
+    return place
 
 def spmd_dims(case: TrainCase):
     """The DataParallelMeshDims of the case's SPMD form: its dp dimensions sharded, replicated
@@ -133,7 +153,8 @@ def wrap_replicate_fsdp(model, case: TrainCase, mesh, impl) -> Wrapped:
     """The FSDP2-based replicate (torchtitan's): FSDP2's machinery, parameters replicated over dp."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    replicate(model, mesh=dp_mesh(case, mesh), **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
+    where = {"mesh": mesh, "dp_mesh_dims": spmd_dims(case)} if case.dp_mesh_dims else {"mesh": dp_mesh(case, mesh)}
+    replicate(model, **where, **_fsdp2_ignored(model, case), **case.fsdp.kwargs(case.entry))
     return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
 
 
@@ -253,8 +274,9 @@ def _ddp_keywords() -> set[str]:
 SETS = {
     "DistributedDataParallel": {"device_mesh", "process_group", *_ddp_keywords()},
     "replicate": {"device_mesh", "ignored_modules", *_ddp_keywords()},  # passed on to DDP through its **kwargs
-    "replicate (FSDP2-based)": {"mesh", "mp_policy", "ignored_params"},
-    "fully_shard": {"mesh", "mp_policy", "ignored_params", "reshard_after_forward", "dp_mesh_dims"},
+    "replicate (FSDP2-based)": {"mesh", "mp_policy", "ignored_params", "dp_mesh_dims"},
+    "fully_shard": {"mesh", "mp_policy", "ignored_params", "reshard_after_forward", "dp_mesh_dims",
+                    "shard_placement_fn"},
     "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id", "ignored_modules", "sharding_strategy"},
 }
 

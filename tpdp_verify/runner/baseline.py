@@ -123,9 +123,10 @@ def anchor(k: Known) -> str:
 
 
 def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: str,
-                   mesh: tuple[int, int] | None = None) -> dict[str, Known]:
+                   mesh: tuple[int, ...] | None = None) -> dict[str, Known]:
     """Each signature part the entries of ``properties`` record for cases through one DP entry
-    point (on a mesh of the same kind as ``mesh``, if given), with the first entry that
+    point in one form (TrainCase.dp_form: "fsdp1(HYBRID_SHARD)", "fully_shard(dp_mesh_dims=shard)")
+    (on a mesh of the same kind as ``mesh``, if given), with the first entry that
     records it: what a user's training run through that entry point may show of the build's
     known faults, and where each is explained. Scoped as a region is (the user's model is
     none of the zoo's): a fault of another entry point or mesh kind would otherwise hide a
@@ -135,7 +136,7 @@ def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: 
     parts: dict[str, Known] = {}
     for k in sorted(entries, key=lambda k: (len(k.signature), k.world_size)):  # the plainest entry explains
         case = k.drawn().get("case")
-        if k.property in properties and getattr(case, "entry", None) == dp_entry and \
+        if k.property in properties and getattr(case, "dp_form", None) == dp_entry and \
                 (mesh is None or mesh_kind(case.mesh_shape) == mesh_kind(mesh)):
             for p in k.signature:
                 parts.setdefault(p, k)
