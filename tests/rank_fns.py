@@ -134,3 +134,22 @@ def dies_after_another_run(rank):
         ctypes.string_at(0)
     _RAN.append(rank)
     return dist.get_rank()
+
+
+def observe_fsdp1_with(case, impl, keywords):
+    """``observe(case, impl)`` with FSDP1 constructed with ``keywords`` beside its own."""
+    import torch.distributed.fsdp as fsdp
+
+    from tpdp_verify.ranks.tp_dp import observe
+
+    real = fsdp.FullyShardedDataParallel
+
+    class With(real):
+        def __init__(self, module, **kwargs):
+            super().__init__(module, **kwargs, **keywords)
+
+    fsdp.FullyShardedDataParallel = With
+    try:
+        return observe(case, impl)
+    finally:
+        fsdp.FullyShardedDataParallel = real

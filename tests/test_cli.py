@@ -329,6 +329,25 @@ def test_plan_takes_ones_own_parallelize_function():
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
+@pytest.mark.timeout(300)
+def test_plan_verifies_a_parallelize_function_on_a_3d_mesh(tmp_path):
+    """torchtitan's HSDP x TP on a 2x2x2 mesh: the user's function applies TP and HSDP itself
+    (dp own), or TP alone with tpdp-verify wrapping HSDP (dp hsdp, both oracles)."""
+    own = plan("user_models:make_llama", "--parallelize", "tpdp_verify.fixtures.parallelize:parallelize_llama_hsdp",
+               "--dp", "own", "--mesh", "2x2x2", "--input", "user_models:tokens", "--steps", "2",
+               "--json", str(tmp_path / "r.json"))
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert "with TP on mesh (dp_replicate=2, dp_shard=2, tp=2), dp=own, 2 steps, float32: PASS" in own.stdout
+    assert "wrapped DP itself (fully_shard)" in own.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["case"]["mesh"] == [2, 2, 2]
+    hsdp = plan("user_models:make_llama", "--parallelize", "tpdp_verify.fixtures.parallelize:parallelize_llama",
+                "--dp", "hsdp", "--mesh", "2x2x2", "--input", "user_models:tokens", "--steps", "1")
+    assert hsdp.returncode == 0, hsdp.stdout + hsdp.stderr
+    assert "with TP on mesh (dp_replicate=2, dp_shard=2, tp=2), dp=fsdp2, 1 step, float32: PASS" in hsdp.stdout
+    compared = dict(re.findall(r"gradients vs (one device|plain DDP) +ok +(\d+)", hsdp.stdout))
+    assert set(compared) == {"one device", "plain DDP"} and "0" not in compared.values(), hsdp.stdout
+
+
 def test_plan_writes_junit_and_markdown_that_agree_with_its_json(tmp_path):
     files = {fmt: str(tmp_path / f"r.{fmt}") for fmt in ("json", "junit", "markdown")}
     out = plan("user_models:make_mlp", "--plan", "user_models:SWAPPED", "--input", "user_models:vectors",
@@ -369,7 +388,11 @@ def test_plan_reports_a_swapped_plan_with_exit_1():
     (["user_models:make_mpl"], "'user_models' has no 'make_mpl' for the model; did you mean 'make_mlp'?"),
     (["user_models"], "the model 'user_models' is not module:attribute"),
     (["user_models:make_mlp", "--mesh", "2x2", "--batch", "3"], "batch=3 does not split over dp=2 ranks"),
-], ids=["no-module", "no-attribute", "not-a-name", "batch"])
+    (["user_models:make_mlp", "--mesh", "2x2x2", "--dp", "fsdp2", "--batch", "6"], "batch=6 does not split over dp=4 ranks"),
+    (["user_models:make_mlp", "--mesh", "2x2x2"], "dp='ddp' takes a 1-D DP mesh; a (dp_replicate, dp_shard, tp) "
+                                                  "mesh takes hsdp, fsdp1_hybrid, spmd_hsdp, fsdp2"),
+    (["user_models:make_mlp", "--mesh", "2x2", "--dp", "hsdp"], "dp='hsdp' needs a (dp_replicate, dp_shard, tp) mesh"),
+], ids=["no-module", "no-attribute", "not-a-name", "batch", "batch-3d", "ddp-3d", "hsdp-2d"])
 def test_plan_input_mistakes_are_one_line_and_exit_2(args, expected):
     out = plan(*args[:1], "--plan", "user_models:PLAN", "--input", "user_models:vectors", *args[1:])
     assert out.returncode == 2

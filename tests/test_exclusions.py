@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-from tpdp_verify.cases.training import BETWEEN, BUILT, LOSS_MODELS
+from tpdp_verify.cases.training import BETWEEN, BUILT, HSDP_ENTRIES, LOSS_MODELS
 from tpdp_verify.properties import ALL, EXCLUSIONS
+from tpdp_verify.properties.large_dp import large_dp_cases
 from tpdp_verify.properties.losses import CROSS_ENTROPY, SMOOTHING, loss_cases, losses
 from tpdp_verify.properties.modules import module_trees
 from tpdp_verify.properties.training import train_cases
@@ -59,6 +60,8 @@ UNFILTERED = {
                                                            losses()),
     "losses_through_replicate_and_fsdp1": lambda ws: st.builds(
         lambda c, loss: replace(c, loss=loss), train_cases(ws, models=LOSS_MODELS, options=False), losses()),
+    "replicate_fsdp_on_a_2d_dp_mesh": lambda ws: _redraw(
+        large_dp_cases(ws), "entry", lambda c: st.sampled_from(HSDP_ENTRIES)),
     "label_smoothing_under_loss_parallel": lambda ws: _redraw(
         loss_cases(ws), "loss", lambda c: st.sampled_from(SMOOTHING).map(
             lambda s: replace(c.loss, label_smoothing=s if c.loss.kind in CROSS_ENTROPY else 0.0))),
@@ -153,6 +156,7 @@ CLAIMS = {
     "half_precision_against_one_device": "rounds",
     "label_smoothing_under_loss_parallel": "refused",
     "losses_through_replicate_and_fsdp1": "the entry point's",
+    "replicate_fsdp_on_a_2d_dp_mesh": "own",
 }
 BY_NAME = {x.name: x for x in EXCLUSIONS}
 

@@ -454,3 +454,51 @@ class AccumulatedGradReducedInParamDtype(TorchReference):
             return inner(fsdp_param, grad)
 
         return _replaced((FSDPParam, "_get_grad_inner_tensor", lowered))
+
+
+class HSDPSkipsReplicateAllReduce(TorchReference):
+    """FSDP2's HSDP never all-reduces the reduce-scattered gradients over the replicate
+    dimension (``foreach_reduce``'s ``dist.all_reduce`` over ``all_reduce_group``,
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), as a regression that
+    dropped it would: each replica steps by its own rows' gradients."""
+
+    caught_by = frozenset({"large_dp_trains_like_one_device"})
+    departs_as = frozenset({"ReplicasAgreeOnGrads"})
+
+    @staticmethod
+    def patched():
+        import torch.distributed as dist
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+        class WithoutAllReduce:
+            def __getattr__(self, name):
+                return getattr(dist, name)
+
+            @staticmethod
+            def all_reduce(tensor, *args, **kwargs):
+                return None
+
+        return _replaced((_fsdp_collectives, "dist", WithoutAllReduce()))
+
+
+class ShardReduceScatterScaled(TorchReference):
+    """FSDP2's reduce-scatter over the shard dimension returns its result scaled by 1 + 1e-3
+    (``DefaultReduceScatter.__call__``, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
+    as a regression in its divide factor would."""
+
+    caught_by = frozenset({"large_dp_trains_like_one_device"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        call = DefaultReduceScatter.__call__
+
+        def scaled(self, output_tensor, *args, **kwargs):
+            work = call(self, output_tensor, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            output_tensor.mul_(1 + 1e-3)
+
+        return _replaced((DefaultReduceScatter, "__call__", scaled))

@@ -8,6 +8,8 @@ the command line wins.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tpdp_verify.ranks.pool import Pools, RankPool
@@ -76,12 +78,13 @@ def tpdp_pools(pytestconfig: pytest.Config):
     pools.close()
 
 
-def _marked(request: pytest.FixtureRequest) -> tuple[int, tuple[int, int] | None]:
-    """The world size and mesh the test's tpdp marker asks for, with the options' defaults."""
+def _marked(request: pytest.FixtureRequest) -> tuple[int, tuple[int, ...] | None]:
+    """The world size and mesh ((dp, tp) or (dp_replicate, dp_shard, tp)) the test's tpdp
+    marker asks for, with the options' defaults."""
     marker = request.node.get_closest_marker("tpdp")
     kwargs = marker.kwargs if marker else {}
     mesh = tuple(kwargs["mesh"]) if kwargs.get("mesh") else None
-    world_size = kwargs.get("world_size") or (mesh[0] * mesh[1] if mesh else _option(request.config, "world_size"))
+    world_size = kwargs.get("world_size") or (math.prod(mesh) if mesh else _option(request.config, "world_size"))
     return int(world_size), mesh
 
 
@@ -96,7 +99,7 @@ class Tpdp:
     """What the ``tpdp`` fixture gives a test: verify_plan on the session's pool, failing
     the test with the report when the plan departs."""
 
-    def __init__(self, pool: RankPool, impl: str, mesh: tuple[int, int]):
+    def __init__(self, pool: RankPool, impl: str, mesh: tuple[int, ...]):
         self.pool, self.impl, self.mesh = pool, impl, mesh
 
     def verify_plan(self, model_fn, plan=None, **kwargs):

@@ -54,10 +54,15 @@ REASONS = {
     "param_to_hook_all_reduce": "with delay_all_reduce_named_params only",
     "offload_policy":
         "CPUOffloadPolicy keeps parameters on the CPU between steps: the CPU ranks hold them there already",
-    "dp_mesh_dims": "takes parameters that are already DTensors on the whole (dp, tp) mesh, Replicate() on the dp "
-                    "dims; parallelize_module's styles place them on the 1-D tp sub-mesh, which fully_shard and its "
-                    "replicate then refuse ('Expected param's DTensor mesh to be the same mesh passed to "
-                    "fully_shard'): a user of parallelize_module cannot pass it",
+    "cpu_offload": "FSDP1's CPUOffload keeps parameters on the CPU between steps: the CPU ranks hold them there already",
+    "param_init_fn": "materializes modules built on the meta device; every case builds its model on the rank's device",
+    "sync_module_states": "broadcasts the first dp rank's parameters at wrap time; every rank builds the same model "
+                          "from the case's seed, so it copies equal values",
+    "ignored_states": "the newer name of ignored_modules, which cases set (Habits.ignored)",
+    # Communication order on FSDP1's streams; tests/test_large_dp.py shows they change no value
+    "backward_prefetch": "orders FSDP1's all-gathers in backward; the same values (tests/test_large_dp.py)",
+    "forward_prefetch": "orders FSDP1's all-gathers in forward; the same values (tests/test_large_dp.py)",
+    "limit_all_gathers": "bounds FSDP1's all-gathers in flight; the same values (tests/test_large_dp.py)",
 }
 
 

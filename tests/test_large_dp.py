@@ -1,0 +1,148 @@
+"""The DP that large models train with (properties/large_dp.py): the ci profile draws every
+form of it, its oracles are sound, FSDP1's keywords listed as changing nothing change
+nothing, and regressions in FSDP2's HSDP are NEW against the shipped baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tpdp_verify.cases.training import FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, FSDP2Options, Size, TrainCase
+from tpdp_verify.judging.verdict import assemble, judge_training
+from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
+from tpdp_verify.oracles.single_device import oracle
+from tpdp_verify.properties.large_dp import large_dp_trains_like_one_device, large_dp_trains_like_plain_dp
+from tpdp_verify.ranks.tp_dp import observe
+from tpdp_verify.runner import baseline, profiles
+from tpdp_verify.runner.gate import check_property
+
+import torch_mutants  # after torch's FSDP has loaded through tpdp_verify: its import order
+
+CI = profiles.PROFILES["ci"]
+LARGE_DP = (large_dp_trains_like_one_device, large_dp_trains_like_plain_dp)
+
+
+@functools.cache
+def drawn(world_size: int) -> tuple[TrainCase, ...]:
+    """The cases both properties train under the ci profile, cover cases first (the gate's
+    own draw: a recorder in place of the ranks)."""
+    seen = []
+    for prop in LARGE_DP:
+        @functools.wraps(prop.fn)
+        def record(pool, impl, case):
+            seen.append(case)
+
+        dataclasses.replace(prop, fn=record).run(SimpleNamespace(world_size=world_size), "torch", CI)
+    return tuple(seen)
+
+
+def test_the_ci_profile_draws_every_form_with_tp_and_dp_composed():
+    cases = drawn(4)
+    assert len(cases) >= 2 * 15  # each property's 15 drawn cases, beside its cover cases
+    forms = Counter(f"{c.dp_form} on {'3-D' if len(c.mesh_shape) == 3 else '2-D'}" for c in cases)
+    expected = ([f"fsdp1({s}) on 3-D" for s in FSDP1_HYBRID] + ["fully_shard on 3-D"]
+                + [f"fully_shard(dp_mesh_dims={f}) on {d}" for f in SPMD_FORMS for d in ("2-D", "3-D")
+                   if f != "both" or d == "3-D"]
+                + [f"replicate_fsdp(dp_mesh_dims=replicate) on {d}" for d in ("2-D", "3-D")])
+    assert all(forms[f] for f in expected), [f for f in expected if not forms[f]]
+    meshes = Counter(c.mesh_shape for c in cases)
+    assert meshes[(2, 1, 2)] and meshes[(1, 2, 2)], meshes  # each dp dimension real beside tp
+    assert sum(c.dp > 1 and c.tp > 1 for c in cases) > len(cases) / 2, meshes
+    spmd = [c for c in cases if c.dp_mesh_dims]
+    assert {c.loss_reduction for c in spmd} == set(LOSS_REDUCTIONS)
+    assert any(c.fsdp.shard_dim == 1 for c in spmd) and any(c.fsdp.shard_dim == 1 and not c.dp_mesh_dims
+                                                            for c in cases)
+
+
+def test_the_cases_are_drawn_on_8_ranks_too():
+    """The release profile's world size 8 reaches the 2 x 2 x 2 mesh, every dimension real."""
+    shapes = Counter(c.mesh_shape for c in drawn(8))
+    assert shapes[(2, 2, 2)] > 0, shapes
+
+
+def _judged(pool, fn, case, *args):
+    whole, checks = assemble(case, pool.run(fn, case, *args))
+    verdict = judge_training(case, whole, *oracle(case))
+    verdict.checks[:0] = checks
+    return verdict
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh, form", [((2, 2), "shard"), ((2, 2), "replicate"), ((1, 2, 2), "both"),
+                                        ((2, 1, 2), "both")])
+def test_the_spmd_oracle_trains_like_one_device(tpdp_pools, mesh, form):
+    """The SPMD form's oracle, the DTensor program with no DP wrapper (DTensor reducing the
+    gradients over dp itself), trains exactly like one device, with each loss reduction:
+    where fully_shard departs from it, the departure is fully_shard's."""
+    for reduction in LOSS_REDUCTIONS:
+        case = TrainCase(model="mlp", mesh_shape=mesh, entry="fully_shard", dp_mesh_dims=form, steps=2,
+                         accumulate=2, loss_reduction=reduction)
+        verdict = _judged(tpdp_pools.get(4), observe_plain_ddp, case)
+        assert verdict.ok and len(verdict.rows) > 0, verdict.report()
+
+
+@pytest.mark.timeout(300)
+def test_fsdp1_keywords_that_order_its_collectives_change_no_value(tpdp_pools):
+    """backward_prefetch, forward_prefetch and limit_all_gathers, which the gate lists as not
+    set on purpose (tpdp_verify.runner.coverage): FSDP1 with TP trains bit for bit as without them."""
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    from rank_fns import observe_fsdp1_with
+
+    pool = tpdp_pools.get(4)
+    for case in (TrainCase(model="mlp", mesh_shape=(2, 2), entry="fsdp1", steps=2),
+                 TrainCase(model="llama", mesh_shape=(1, 2, 2), entry="fsdp1", fsdp1_strategy="HYBRID_SHARD", steps=2)):
+        plain = [t for t in pool.run(observe, case, "torch")]
+        ordered = pool.run(observe_fsdp1_with, case, "torch", {"backward_prefetch": BackwardPrefetch.BACKWARD_POST,
+                                                              "forward_prefetch": True, "limit_all_gathers": False})
+        assert not any(t.error for t in plain), plain[0].error
+        compared = 0
+        for a, b in zip(plain, ordered):
+            for steps_a, steps_b in ((a.grads, b.grads), (a.params, b.params)):
+                for x, y in zip(steps_a, steps_b):
+                    assert x.keys() == y.keys()
+                    for name in x:
+                        compared += 1
+                        assert torch.equal(_tensor(x[name]), _tensor(y[name])), (case, name)
+        assert compared > 0
+
+
+def _tensor(value):
+    """A value as a rank holds it: a whole tensor, or its Piece's local elements."""
+    from tpdp_verify.ranks.pieces import Piece
+
+    return value.local if isinstance(value, Piece) else value
+
+
+def _new_against_the_shipped_baseline(pool, mutant, prop):
+    listed = baseline.load("torch-2.13.0")[1]
+    regional = baseline.regional_parts(listed).get(prop.name, {})
+    assert regional, "the shipped baseline has learned nothing of the property"
+    profile = dataclasses.replace(CI, shrink=False)  # the search's power, not shrinking's
+    outcome = check_property(prop, pool, f"torch_mutants.{mutant.__name__}", profile, known=regional)
+    mine = [k for k in listed if (k.property, k.world_size) == (prop.name, pool.world_size)]
+    return outcome, baseline.judge([outcome], mine, rerun=lambda entry: entry.signature)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mutant, part", [
+    (torch_mutants.HSDPSkipsReplicateAllReduce, "check:replicas-agree-on-grads"),
+    (torch_mutants.ShardReduceScatterScaled, "value:gradient"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_a_regression_in_fsdp2s_hsdp_is_new_against_the_shipped_baseline(tpdp_pools, mutant, part):
+    """The dp_replicate all-reduce skipped, and a dp_shard reduce-scatter whose result is
+    scaled: each NEW in the regions where torch 2.13.0 trains exactly."""
+    from tpdp_verify.runner.property import region
+
+    outcome, judged = _new_against_the_shipped_baseline(tpdp_pools.get(4), mutant, large_dp_trains_like_one_device)
+    assert judged.blocks and outcome.status == "diverges", outcome.findings
+    new = [k for k in judged.new if part in k.signature]
+    assert new, [k.signature for k in judged.new]
+    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1])[large_dp_trains_like_one_device.name]
+    assert all(part not in regional.get(region(k.drawn()), set()) for k in new)
+    assert all(f.replay for f in outcome.findings if f.status == "NEW")
