@@ -16,7 +16,12 @@ from tpdp_verify.properties.fsdp_extension import (
     chunk_tensor_metadata,
     fsdp_flatten_roundtrip,
 )
-from tpdp_verify.properties.large_dp import large_dp_trains_like_one_device, large_dp_trains_like_plain_dp
+from tpdp_verify.properties.large_dp import (
+    large_dp_checkpoint_resumes,
+    large_dp_state_dict_like_unsharded,
+    large_dp_trains_like_one_device,
+    large_dp_trains_like_plain_dp,
+)
 from tpdp_verify.properties.losses import losses_train_like_one_device
 from tpdp_verify.properties.registry import (
     ignored_params_untouched,
@@ -38,5 +43,5 @@ ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_unto
        trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device, losses_train_like_one_device,
        miswiring_refused_or_exact, large_dp_trains_like_one_device, large_dp_trains_like_plain_dp,
        state_dict_like_unsharded, entry_points_state_dict_like_unsharded,
-       checkpoint_resumes, entry_points_checkpoint_resume,
+       checkpoint_resumes, entry_points_checkpoint_resume, large_dp_state_dict_like_unsharded, large_dp_checkpoint_resumes,
        fsdp_flatten_roundtrip, chunk_dtensor_layout, all_gather_dtensor_full, chunk_tensor_metadata)

@@ -145,6 +145,7 @@ CHECKPOINTS = ("state_dict_like_unsharded", "entry_points_state_dict_like_unshar
                "checkpoint_resumes", "entry_points_checkpoint_resume")
 # The properties of the DP that large models train with (properties/large_dp.py)
 LARGE_DP = ("large_dp_trains_like_one_device", "large_dp_trains_like_plain_dp")
+LARGE_DP_CHECKPOINTS = ("large_dp_state_dict_like_unsharded", "large_dp_checkpoint_resumes")
 # The checkpoint properties that draw FSDP (entry_points_state_dict_like_unsharded draws replicate only).
 FSDP_CHECKPOINTS = ("state_dict_like_unsharded", "checkpoint_resumes", "entry_points_checkpoint_resume")
 
@@ -232,7 +233,7 @@ DIRECT_CALL_UNDER_FSDP = Exclusion(
     direct_under_fsdp)
 
 CHECKPOINT_OPTIONS = Exclusion(
-    "checkpoint_options_and_habits", CHECKPOINTS,
+    "checkpoint_options_and_habits", CHECKPOINTS + LARGE_DP_CHECKPOINTS,
     "checkpoints with the entry points' newer options or training habits set (comm hooks, "
     "bucket lists, init_sync, FSDP2's mixed precision and resharding, clipping, activation "
     "checkpointing, ignored modules): what they change is training's, which the training "

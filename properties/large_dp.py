@@ -5,7 +5,8 @@ A drawn case is a ``TrainCase`` like every other training property's, on a 3-D
 (dp_replicate, dp_shard, tp) mesh as torchtitan builds it, or on any mesh with
 ``dp_mesh_dims`` set (how DP sees the mesh: one dimension of the case); the same ranks,
 oracles and verdicts judge it. These properties draw from a space of their own, so that the
-other properties' draws, and the baseline learned from them, stay as they were.
+other properties' draws, and the baseline learned from them, stay as they were. HSDP's
+checkpoints are drawn too: state_dict, and save, load and resume by every route.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tpdp_verify.cases.training import (
     TrainCase,
 )
 from tpdp_verify.fixtures.zoo import ZOO
+from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
 from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import REFUSED_ON_2D_DP_MESH
 from tpdp_verify.properties.strategies import factorizations
@@ -40,7 +42,8 @@ from tpdp_verify.properties.training import (
     run_fields,
     weighted,
 )
-from tpdp_verify.runner.property import tpdp_property, worth_explaining
+from tpdp_verify.ranks.checkpoint import ROUTES
+from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaining
 
 
 def hsdp_meshes(world_size: int) -> tuple[tuple[int, int, int], ...]:
@@ -104,6 +107,12 @@ def plain_dp_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
     return large_dp_cases(world_size, half=True)
 
 
+def most_drawn(world_size: int) -> list[tuple[int, int, int]]:
+    """The 3-D meshes drawn most: (1, 2, 2) and (2, 1, 2) on 4 ranks, (2, 2, 2) on 8."""
+    drawn = hsdp_meshes(world_size)
+    return [m for m in dict.fromkeys(drawn) if drawn.count(m) == drawn.count(drawn[0])]
+
+
 def every_form(strategies: dict) -> list[dict]:
     """The MLP's simplest case in every form, on the 3-D meshes drawn most (both (1, 2, 2) and
     (2, 1, 2) on 4 ranks, so that each dp dimension is real in one) and the first 2-D mesh:
@@ -114,9 +123,7 @@ def every_form(strategies: dict) -> list[dict]:
     if not found:
         return []
     world = math.prod(next(iter(found.values())).mesh_shape)
-    drawn = hsdp_meshes(world)
-    first = [m for m in dict.fromkeys(drawn) if drawn.count(m) == drawn.count(drawn[0])]  # the most drawn
-    two = weighted(meshes(world))[0]
+    first, two = most_drawn(world), weighted(meshes(world))[0]
 
     def on(entry, mesh, **form):
         return dataclasses.replace(found[entry], mesh_shape=mesh, **{"dp_mesh_dims": "", "fsdp1_strategy": ""} | form)
@@ -134,15 +141,54 @@ def every_form(strategies: dict) -> list[dict]:
     return [{"case": c} for c in forms]
 
 
-# ci draws 15 cases a property beside the cover cases' 14: its 5 minutes hold no more
-# (docs/performance.md, "The DP that large models train with")
-@tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 15}, case=large_dp_cases)
+# ci draws 10 cases a training property and 4 a checkpoint one beside their cover cases: its
+# 5 minutes hold no more (docs/performance.md, "The DP that large models train with")
+@tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 10}, case=large_dp_cases)
 def large_dp_trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
     """HSDP x TP on a 3-D mesh, and fully_shard over the whole SPMD mesh, train like the unsharded model on one device."""
     verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 15}, case=plain_dp_cases)
+@tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 10}, case=plain_dp_cases)
 def large_dp_trains_like_plain_dp(pool, impl: str, case: TrainCase) -> None:
     """The same like HSDP without TP, and like the SPMD program without fully_shard, mixed precision included."""
     verdict_plain_ddp(pool, impl, case).raise_if_failed()
+
+
+@st.composite
+def hsdp_checkpoint_cases(draw, world_size: int) -> TrainCase:
+    """HSDP cases to checkpoint: fully_shard and FSDP1's hybrid strategies on a 3-D mesh, the
+    optimizer built after wrapping, the entry points' first options and no habits (the
+    exclusion checkpoint_options_and_habits)."""
+    mesh = draw(_one_of(hsdp_meshes(world_size)))
+    model = draw(_one_of(tuple(ZOO)))
+    entry = draw(_one_of(CHECKPOINTED))
+    return TrainCase(model=model, size=draw(_sizes(model, mesh[-1])), mesh_shape=mesh, entry=entry,
+                     fsdp1_strategy=draw(_one_of(FSDP1_HYBRID)) if entry == "fsdp1" else "",
+                     **run_fields(draw, entry, ("after_wrap",), FSDP2Options()))
+
+
+CHECKPOINTED = ("fully_shard", "fsdp1")  # the entry points that take a 2-D DP mesh (REFUSED_ON_2D_DP_MESH aside)
+
+
+def every_checkpoint(strategies: dict) -> list[dict]:
+    """The MLP's simplest case through each entry point on the 3-D meshes drawn most, by
+    every route where one is drawn."""
+    routes = ROUTES if "route" in strategies else (None,)
+    found = every_entry(strategies, CHECKPOINTED)
+    meshes_ = most_drawn(math.prod(found[0].mesh_shape)) if found else []
+    return [{"case": dataclasses.replace(c, mesh_shape=m)} | ({"route": r} if r else {})
+            for c in found for m in meshes_ for r in routes]
+
+
+@tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=hsdp_checkpoint_cases)
+def large_dp_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
+    """HSDP x TP on a 3-D mesh: state_dict() before and after training has the unsharded model's keys, shapes and values."""
+    verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
+
+
+@tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=hsdp_checkpoint_cases,
+               route=st.sampled_from(ROUTES))
+def large_dp_checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
+    """HSDP x TP on a 3-D mesh: saved by each route and loaded into a fresh model, it steps exactly as the uninterrupted one."""
+    verdict_resume(pool, impl, case, route, worth_explaining, known_now).raise_if_failed()

@@ -1,5 +1,6 @@
 """The replay scripts of docs/known-divergences.md for the faults the exclusions hid and the
-drawn losses and the policy's reductions found (faults 12 to 16), as shipped: each runs on gloo ranks and prints the fault."""
+drawn losses, the policy's reductions and the DP large models train with found (faults 12 to 18), as
+shipped: each runs on gloo ranks and prints the fault."""
 
 import subprocess
 import sys
@@ -50,3 +51,17 @@ def test_fsdp2_sums_tp_partial_gradients_in_the_compute_dtype_unless_accumulated
     out = _run("fsdp2_tp_reduce_dtype.py")
     assert "1 microbatch: the norm's gradient summed over tp in bfloat16 (reduce_dtype float32)" in out, out
     assert "2 microbatches: the norm's gradient summed over tp in float32" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_fully_shard_over_the_spmd_mesh_scales_gradients_by_one_over_dp():
+    out = _run("fsdp2_spmd_grad_scale.py")
+    for dims in ("shard", "replicate"):
+        assert f"dp_mesh_dims {dims}: the gradient is 0.500 of the one DTensor computes alone (dp = 2)" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp1_hybrid_with_a_shard_group_of_one_rank_never_synchronizes_its_replicas():
+    out = _run("fsdp1_hybrid_one_rank_shard_group.py")
+    assert "FULL_SHARD: " in out and "the replicas agree" in out.split("FULL_SHARD: ", 1)[1].splitlines()[0], out
+    assert "HYBRID_SHARD: " in out and "the replicas DISAGREE" in out.split("HYBRID_SHARD: ", 1)[1], out

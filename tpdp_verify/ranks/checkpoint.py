@@ -116,7 +116,7 @@ def _next_step(case: TrainCase, run: Run, optimizer, micro: list[dict]) -> dict:
     and loss as this rank sees them."""
     fx, out = fixture(case), {}
     for m, b in enumerate(micro, 1):
-        local = {k: v[run.rows] for k, v in b.items()}
+        local = run.take(b)
         sync = contextlib.nullcontext() if m == len(micro) else run.no_sync()
         with sync, maybe_loss_parallel(run.loss_parallel):
             o = run.model(local["input"])

@@ -86,6 +86,10 @@ class Run:
     inputs: Callable[[dict], dict] = lambda rows: rows
     rows_of: Callable[[object], object] = lambda out: out
 
+    def take(self, batch: dict) -> dict:
+        """This run's rows of a global batch, as its model takes them: every forward's input."""
+        return self.inputs({k: v[self.rows] for k, v in batch.items()})
+
 
 def fixture(case: TrainCase) -> Fixture:
     """The case's model, plan, data and loss: a zoo model's, or the user's; with the
@@ -307,7 +311,7 @@ def build_optimizer(case: TrainCase, run: Run, data: list, new_optimizer: Callab
     in every run alike (it moves buffers such as step counters)."""
     if case.built == "after_forward":
         with torch.no_grad():
-            forward(run.model, run.inner, {k: v[run.rows] for k, v in data[0][0].items()})
+            forward(run.model, run.inner, run.take(data[0][0]))
     try:
         return new_optimizer()
     except Exception as exc:
@@ -355,7 +359,7 @@ def between_steps(case: TrainCase, run: Run, batch: dict, called: dict, trace: T
         if case.habits.between == "eval":
             run.model.eval()
         with torch.no_grad():
-            forward(run.model, run.inner, run.inputs({k: v[run.rows] for k, v in batch.items()}))
+            forward(run.model, run.inner, run.take(batch))
         run.model.train()
 
 
@@ -405,14 +409,13 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
         if case.eval_first:
             run.model.eval()
             with torch.no_grad():
-                forward(run.model, run.inner, run.inputs({k: v[run.rows] for k, v in data[0][0].items()}))
+                forward(run.model, run.inner, run.take(data[0][0]))
             run.model.train()
         optimizer = optimizer or build_optimizer(case, run, data, new_optimizer)
         params = named(run, optimizer)
         for step, micro in enumerate(data):
             for m, b in enumerate(micro):
-                mine = {k: v[run.rows] for k, v in b.items()}
-                local = run.inputs(mine)
+                local = run.take(b)
                 sync = contextlib.nullcontext() if m == len(micro) - 1 else run.no_sync()
                 record = recording(run, trace.activations) if capture and step == m == 0 else contextlib.nullcontext()
                 with sync, maybe_loss_parallel(run.loss_parallel, sharded_loss_ops):
@@ -422,7 +425,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                     loss = weighted_loss(fx.per_sample_loss(out, local), local["weight"], case)
                     running.pop()
                     loss.backward()
-                leaves, trace.unread = output_leaves(run.rows_of(out), len(mine["weight"]))
+                leaves, trace.unread = output_leaves(run.rows_of(out), len(b["weight"][run.rows]))
                 trace.outputs.append(leaves)
                 trace.losses.append(float(whole(loss.detach())))
             run.sync_ignored()
