@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_tolerance.py
 	$(BIN)/python bench/bench_mutation.py
 	$(BIN)/python bench/bench_endurance.py
+	$(BIN)/python bench/bench_large_dp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

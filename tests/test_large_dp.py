@@ -43,7 +43,7 @@ def drawn(world_size: int) -> tuple[TrainCase, ...]:
 
 def test_the_ci_profile_draws_every_form_with_tp_and_dp_composed():
     cases = drawn(4)
-    assert len(cases) >= 2 * 15  # each property's 15 drawn cases, beside its cover cases
+    assert len(cases) >= 2 * 10  # each property's 10 drawn cases, beside its cover cases
     forms = Counter(f"{c.dp_form} on {'3-D' if len(c.mesh_shape) == 3 else '2-D'}" for c in cases)
     expected = ([f"fsdp1({s}) on 3-D" for s in FSDP1_HYBRID] + ["fully_shard on 3-D"]
                 + [f"fully_shard(dp_mesh_dims={f}) on {d}" for f in SPMD_FORMS for d in ("2-D", "3-D")
@@ -57,6 +57,22 @@ def test_the_ci_profile_draws_every_form_with_tp_and_dp_composed():
     assert {c.loss_reduction for c in spmd} == set(LOSS_REDUCTIONS)
     assert any(c.fsdp.shard_dim == 1 for c in spmd) and any(c.fsdp.shard_dim == 1 and not c.dp_mesh_dims
                                                             for c in cases)
+
+
+def test_the_ci_profile_checkpoints_hsdp_by_every_route():
+    from tpdp_verify.properties.large_dp import large_dp_checkpoint_resumes
+
+    seen = []
+
+    @functools.wraps(large_dp_checkpoint_resumes.fn)
+    def record(pool, impl, case, route):
+        seen.append((case.dp_form, case.mesh_shape, route))
+
+    dataclasses.replace(large_dp_checkpoint_resumes, fn=record).run(SimpleNamespace(world_size=4), "torch", CI)
+    from tpdp_verify.ranks.checkpoint import ROUTES
+
+    assert {(f, r) for f, m, r in seen if m == (2, 1, 2)} >= {(f, r) for f in ("fully_shard", "fsdp1(HYBRID_SHARD)")
+                                                               for r in ROUTES}, seen
 
 
 def test_the_cases_are_drawn_on_8_ranks_too():
