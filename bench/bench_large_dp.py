@@ -11,6 +11,7 @@ searches take now: whether a world-8 search fits in ci's 5 minutes (docs/perform
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 
 from tpdp_verify.properties.large_dp import (
@@ -32,7 +33,8 @@ def searches(world_size: int) -> dict[str, float]:
     regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1])
     profile = dataclasses.replace(profiles.get("ci"), shrink=False)  # a known failure is never shrunk
     out = {}
-    with RankPool(world_size) as pool:
+    logs = tempfile.mkdtemp(prefix="bench-large-dp-")  # torch's warnings, out of the terminal
+    with RankPool(world_size, output=logs) as pool:
         for prop in PROPERTIES:
             start = time.monotonic()
             outcome = check_property(prop, pool, "torch", profile, known=regional.get(prop.name, {}))
