@@ -38,8 +38,7 @@ FSDP2_ENTRIES = ("fully_shard", "replicate_fsdp")  # those that take FSDP2Option
 HSDP_ENTRIES = ("fsdp1", "fully_shard", "replicate_fsdp")
 MESH_DIMS = ("dp", "tp")
 HSDP_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-# FSDP1's sharding strategies: those of a 1-D DP mesh, then the hybrid ones a 2-D DP mesh needs.
-FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+# FSDP1's hybrid sharding strategies, the ones a 2-D DP mesh takes (the others are not drawn yet)
 FSDP1_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 # How FSDP2 sees the mesh (TrainCase.dp_mesh_dims): "" a DP sub-mesh, as every entry point
 # takes it; else the whole SPMD mesh with DataParallelMeshDims naming its dp dimensions:
@@ -267,8 +266,8 @@ class TrainCase:
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
     wiring: str = ""                    # "" (as documented) or a key of MISWIRINGS
     loss: Loss | None = field(default=None, repr=False)  # None: the model's own (in repr where set)
-    # FSDP1's sharding strategy (a name in FSDP1_STRATEGIES or FSDP1_HYBRID; "" its default,
-    # FULL_SHARD), and how fully_shard sees the mesh (SPMD_FORMS; ""): in repr where set
+    # FSDP1's sharding strategy (a name in FSDP1_HYBRID; "" its default, FULL_SHARD), and how
+    # FSDP2 sees the mesh (SPMD_FORMS; "" a sub-mesh): in repr where set
     fsdp1_strategy: str = field(default="", repr=False)
     dp_mesh_dims: str = field(default="", repr=False)
     loss_reduction: str = field(default="", repr=False)  # one of LOSS_REDUCTIONS (in repr where set)
