@@ -111,7 +111,8 @@ def sound_habits(entry: str, habits: Habits) -> bool:
 def rounds_to_half(case) -> bool:
     """An option that rounds gradients or parameters to half precision by design."""
     return ((case.entry in DDP_ENTRIES and case.ddp.wire_dtype is not None)
-            or (case.entry in FSDP2_ENTRIES and case.fsdp.wire_dtype is not None))
+            or (case.entry in FSDP2_ENTRIES and case.fsdp.wire_dtype is not None)
+            or (case.entry == "fsdp1" and case.fsdp1.wire_dtype is not None))
 
 
 def extended(case) -> bool:
@@ -204,7 +205,7 @@ HALF_AGAINST_ONE_DEVICE = Exclusion(
     "half_precision_against_one_device", ("trains_like_one_device", "entry_points_train_like_one_device",
                                           "large_dp_trains_like_one_device"),
     "options that round to half precision by design (DDP's fp16 compression hook, FSDP2's "
-    "MixedPrecisionPolicy) against one device in full precision: no bound derives from a run "
+    "MixedPrecisionPolicy, FSDP1's MixedPrecision) against one device in full precision: no bound derives from a run "
     "without them; trains_like_plain_ddp judges them against the same option without TP",
     "docs/tolerance.md#options-that-round-to-half-precision",
     rounds_to_half)

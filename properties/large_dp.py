@@ -18,11 +18,14 @@ from hypothesis import strategies as st
 
 from tpdp_verify.cases.training import (
     BUILT,
+    FSDP1_FLAT,
     FSDP1_HYBRID,
     FSDP2_ENTRIES,
+    HALF,
     HSDP_ENTRIES,
     LOSS_REDUCTIONS,
     SPMD_FORMS,
+    FSDP1Options,
     FSDP2Options,
     Size,
     TrainCase,
@@ -59,9 +62,10 @@ def hsdp_meshes(world_size: int) -> tuple[tuple[int, int, int], ...]:
 
 SHARD_DIMS = (0, 1)  # FSDP2Options.shard_dim: torch's default dim, and another
 
-# How DP sees the mesh: a 2-D DP sub-mesh of a 3-D mesh (HSDP), or the whole SPMD mesh
-# (FSDP2's dp_mesh_dims, on a 2-D or a 3-D mesh). Each its own region.
-VIEWS = ("hsdp", "spmd")
+# How DP sees the mesh: a 2-D DP sub-mesh of a 3-D mesh (HSDP), the whole SPMD mesh (FSDP2's
+# dp_mesh_dims, on a 2-D or a 3-D mesh), or the dp sub-mesh of a (dp, tp) mesh as FSDP1's
+# ZeRO stages take it (FSDP1_FLAT). Each its own region.
+VIEWS = ("hsdp", "spmd", "zero")
 
 
 def spmd_meshes(world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -75,13 +79,16 @@ def large_dp_cases(draw, world_size: int, half: bool = False) -> TrainCase:
     2-D DP mesh (FSDP1 with a hybrid sharding strategy), or FSDP2 over the whole SPMD mesh
     (fully_shard with each form of dp_mesh_dims, its replicate with the replicating one) and
     each reduction of the loss over the global batch; with FSDP2's options (fully_shard
-    sharding on another dim than 0 too) and the training habits.
-    ``half``: always a mixed-precision policy for FSDP2 (trains_like_plain_dp's)."""
+    sharding on another dim than 0 too) and the training habits; or FSDP1's ZeRO stages on a
+    (dp, tp) mesh. FSDP1 draws its keywords (FSDP1Options) on either DP mesh.
+    ``half``: always a mixed-precision policy for FSDP2 and FSDP1 (trains_like_plain_dp's)."""
     view = draw(_one_of(VIEWS))
-    mesh = draw(_one_of(hsdp_meshes(world_size) if view == "hsdp" else spmd_meshes(world_size)))
+    mesh = draw(_one_of({"hsdp": hsdp_meshes, "spmd": spmd_meshes, "zero": weighted_meshes}[view](world_size)))
     model = draw(_one_of(tuple(ZOO)))
     if view == "hsdp":
         entry, spmd = draw(_one_of(tuple(e for e in HSDP_ENTRIES if e not in REFUSED_ON_2D_DP_MESH))), ""
+    elif view == "zero":
+        entry, spmd = "fsdp1", ""
     else:
         entry = draw(_one_of(FSDP2_ENTRIES))
         spmd = "replicate" if entry == "replicate_fsdp" else \
@@ -97,10 +104,22 @@ def large_dp_cases(draw, world_size: int, half: bool = False) -> TrainCase:
         fsdp=fsdp,
         habits=draw(_habits(model, entry, False)),
         **run_fields(draw, entry, BUILT, fsdp),
-        fsdp1_strategy=draw(_one_of(FSDP1_HYBRID)) if entry == "fsdp1" else "",
+        fsdp1_strategy=draw(_one_of(FSDP1_HYBRID if len(mesh) == 3 else FSDP1_FLAT)) if entry == "fsdp1" else "",
         dp_mesh_dims=spmd,
         loss_reduction=draw(_one_of(LOSS_REDUCTIONS)) if spmd else "",
+        fsdp1=draw(_fsdp1_options(half)) if entry == "fsdp1" else FSDP1Options(),
     )
+
+
+def weighted_meshes(world_size: int) -> tuple[tuple[int, int], ...]:
+    return weighted(meshes(world_size))
+
+
+@st.composite
+def _fsdp1_options(draw, half: bool) -> FSDP1Options:
+    """Each child its own FSDP unit or not; with ``half``, always mixed precision in either
+    half dtype (as FSDP2's options: in full precision it is the one-device property's)."""
+    return FSDP1Options(auto_wrap=draw(st.booleans()), mixed_precision=draw(_one_of(HALF)) if half else None)
 
 
 def plain_dp_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
@@ -116,7 +135,8 @@ def most_drawn(world_size: int) -> list[tuple[int, int, int]]:
 def every_form(strategies: dict) -> list[dict]:
     """The MLP's simplest case in every form, on the 3-D meshes drawn most (both (1, 2, 2) and
     (2, 1, 2) on 4 ranks, so that each dp dimension is real in one) and the first 2-D mesh:
-    FSDP1 with each hybrid strategy, fully_shard on the 2-D DP mesh and with each form of
+    FSDP1 with each hybrid strategy and each ZeRO stage (FULL_SHARD, which the other
+    properties draw, by units: auto_wrap_policy), fully_shard on the 2-D DP mesh and with each form of
     dp_mesh_dims (and sharding on dim 1), FSDP2's replicate with dp_mesh_dims. 40 drawn
     cases meet each form a few times, the MLP's once or never."""
     found = {c.entry: c for c in every_entry(strategies, HSDP_ENTRIES)}
@@ -128,7 +148,12 @@ def every_form(strategies: dict) -> list[dict]:
     def on(entry, mesh, **form):
         return dataclasses.replace(found[entry], mesh_shape=mesh, **{"dp_mesh_dims": "", "fsdp1_strategy": ""} | form)
 
-    forms = [on("fsdp1", m, fsdp1_strategy=s) for m in first for s in FSDP1_HYBRID] if "fsdp1" in found else []
+    forms = []
+    if "fsdp1" in found:  # each hybrid strategy on the 3-D meshes, each ZeRO stage on the 2-D one
+        forms += [on("fsdp1", m, fsdp1_strategy=s) for m in first for s in FSDP1_HYBRID]
+        units = dataclasses.replace(found["fsdp1"].fsdp1, auto_wrap=True)  # FULL_SHARD, its default, by units
+        forms += [on("fsdp1", two, fsdp1_strategy=s, **({"fsdp1": units} if s == "FULL_SHARD" else {}))
+                  for s in FSDP1_FLAT]
     if "fully_shard" in found:
         forms += [on("fully_shard", m, dp_mesh_dims=f) for m in (*first, two) for f in ("", *SPMD_FORMS)
                   if (f != "both" and f) or len(m) == 3]

@@ -30,6 +30,7 @@ from tpdp_verify.cases.training import (
     OPTIMIZERS,
     TRAIN_DTYPES,
     DDPOptions,
+    FSDP1Options,
     FSDP2Options,
     Habits,
     Loss,
@@ -259,7 +260,8 @@ def _simplest(strategy: st.SearchStrategy[TrainCase], model: str, shipped: bool 
         if label in found:
             _simplest_cases[key] = None if found[label] is None else eval(  # noqa: S307: the file's own reprs
                 found[label], {"TrainCase": TrainCase, "Size": Size, "DDPOptions": DDPOptions,
-                               "FSDP2Options": FSDP2Options, "Habits": Habits, "Loss": Loss})
+                               "FSDP1Options": FSDP1Options, "FSDP2Options": FSDP2Options, "Habits": Habits,
+                               "Loss": Loss})
         else:
             try:
                 with without_local_constants():  # the same cases whatever the process imported

@@ -1,8 +1,8 @@
 """Meshes crossed: what the entry points do when a user wires TP+DP wrong.
 
 A drawn case is a training case on a 2-D mesh with one miswiring
-(``tpdp_verify.cases.training.MISWIRINGS``): DP given mesh["tp"] or the whole mesh, DDP
-given the dp process group in place of the mesh, TP over mesh["dp"]. Each must be refused
+(``tpdp_verify.cases.training.MISWIRINGS``): DP given mesh["tp"] or the whole mesh, DDP or
+FSDP1 given the dp process group in place of the mesh, TP over mesh["dp"]. Each must be refused
 before training or train exactly like one device; torch accepting one silently and
 training something else (replicas averaging different shards) is the finding.
 """
@@ -20,8 +20,9 @@ from tpdp_verify.runner.property import tpdp_property
 
 
 def wirings(entry: str) -> tuple[str, ...]:
-    """The miswirings an entry point can be given: a process group in place of the mesh is DDP's."""
-    return tuple(w for w in MISWIRINGS if w != "dp_by_group" or entry == "ddp_mesh")
+    """The miswirings an entry point can be given: a process group in place of the mesh is
+    DDP's and FSDP1's (the entry points that take either)."""
+    return tuple(w for w in MISWIRINGS if w != "dp_by_group" or entry in ("ddp_mesh", "fsdp1"))
 
 
 def miswired_cases(world_size: int) -> st.SearchStrategy[TrainCase]:

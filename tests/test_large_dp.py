@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tpdp_verify.cases.training import FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, FSDP2Options, Size, TrainCase
+from tpdp_verify.cases.training import FSDP1_FLAT, FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, FSDP2Options, Size, TrainCase
 from tpdp_verify.judging.verdict import assemble, judge_training
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
 from tpdp_verify.oracles.single_device import oracle
@@ -45,7 +45,8 @@ def test_the_ci_profile_draws_every_form_with_tp_and_dp_composed():
     cases = drawn(4)
     assert len(cases) >= 2 * 10  # each property's 10 drawn cases, beside its cover cases
     forms = Counter(f"{c.dp_form} on {'3-D' if len(c.mesh_shape) == 3 else '2-D'}" for c in cases)
-    expected = ([f"fsdp1({s}) on 3-D" for s in FSDP1_HYBRID] + ["fully_shard on 3-D"]
+    expected = ([f"fsdp1({s}) on 3-D" for s in FSDP1_HYBRID] + [f"fsdp1({s}) on 2-D" for s in FSDP1_FLAT]
+                + ["fully_shard on 3-D"]
                 + [f"fully_shard(dp_mesh_dims={f}) on {d}" for f in SPMD_FORMS for d in ("2-D", "3-D")
                    if f != "both" or d == "3-D"]
                 + [f"replicate_fsdp(dp_mesh_dims=replicate) on {d}" for d in ("2-D", "3-D")])
@@ -57,6 +58,8 @@ def test_the_ci_profile_draws_every_form_with_tp_and_dp_composed():
     assert {c.loss_reduction for c in spmd} == set(LOSS_REDUCTIONS)
     assert any(c.fsdp.shard_dim == 1 for c in spmd) and any(c.fsdp.shard_dim == 1 and not c.dp_mesh_dims
                                                             for c in cases)
+    fsdp1 = {(c.fsdp1.auto_wrap, c.fsdp1.mixed_precision is not None) for c in cases if c.entry == "fsdp1"}
+    assert fsdp1 == {(False, False), (True, False), (False, True), (True, True)}, fsdp1  # its keywords, each way
 
 
 def test_the_ci_profile_checkpoints_hsdp_by_every_route():

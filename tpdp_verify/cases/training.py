@@ -38,8 +38,10 @@ FSDP2_ENTRIES = ("fully_shard", "replicate_fsdp")  # those that take FSDP2Option
 HSDP_ENTRIES = ("fsdp1", "fully_shard", "replicate_fsdp")
 MESH_DIMS = ("dp", "tp")
 HSDP_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-# FSDP1's hybrid sharding strategies, the ones a 2-D DP mesh takes (the others are not drawn yet)
+# FSDP1's hybrid sharding strategies, the ones a 2-D DP mesh takes, and those of a 1-D one
+# (its ZeRO stages: parameters, gradients and optimizer state sharded; gradients and state; none)
 FSDP1_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+FSDP1_FLAT = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 # How FSDP2 sees the mesh (TrainCase.dp_mesh_dims): "" a DP sub-mesh, as every entry point
 # takes it; else the whole SPMD mesh with DataParallelMeshDims naming its dp dimensions:
 # "shard" (FSDP over them), "replicate" (DDP-like over them: the one form FSDP2's replicate
@@ -179,6 +181,34 @@ class FSDP2Options:
         return self.mixed_precision
 
 
+@dataclass(frozen=True)
+class FSDP1Options:
+    """Keyword arguments of FullyShardedDataParallel a case sets beside its sharding strategy."""
+
+    # auto_wrap_policy: each of the root's children that holds parameters an FSDP unit of its
+    # own (as ModuleWrapPolicy wraps a transformer's blocks), each flattened apart
+    auto_wrap: bool = False
+    mixed_precision: str | None = None  # MixedPrecision(param_dtype=this, reduce_dtype=float32)
+
+    def kwargs(self, model) -> dict:
+        import torch
+        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        out = {}
+        if self.auto_wrap:
+            units = {id(m) for m in model.children() if any(True for _ in m.parameters())}
+            out["auto_wrap_policy"] = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in units)
+        if self.mixed_precision is not None:
+            out["mixed_precision"] = MixedPrecision(param_dtype=getattr(torch, self.mixed_precision),
+                                                    reduce_dtype=torch.float32)
+        return out
+
+    @property
+    def wire_dtype(self) -> str | None:
+        return self.mixed_precision
+
+
 # How a user clips by the total gradient norm: in one call, or as torchtitan does, the norm
 # first (get_total_norm, its full_tensor() where a DTensor), then clip_grads_with_norm_.
 CLIP_BY = ("clip_grad_norm_", "get_total_norm")
@@ -232,12 +262,12 @@ BETWEEN = ("", "eval", "no_grad", "submodule")
 IGNORED = ("frozen", "trained")
 
 # Meshes a user can cross, which the entry points must refuse or train through exactly:
-# DP over the tp dimension or over the whole 2-D mesh, DDP given the dp process group in
-# place of the mesh (so no TP transform runs), TP over the dp dimension.
+# DP over the tp dimension or over the whole 2-D mesh, DDP or FSDP1 given the dp process group
+# in place of the mesh (so no TP transform or DTensor extension runs), TP over the dp dimension.
 MISWIRINGS = {  # each, in a user's words
     "dp_over_tp": "DP given mesh['tp'] in place of mesh['dp']",
     "dp_over_mesh": "DP given the whole (dp, tp) mesh in place of mesh['dp']",
-    "dp_by_group": "DDP given mesh['dp']'s process group in place of the mesh",
+    "dp_by_group": "DDP or FSDP1 given mesh['dp']'s process group in place of the mesh",
     "tp_over_dp": "TP applied over mesh['dp'] in place of mesh['tp']",
 }
 
@@ -266,11 +296,12 @@ class TrainCase:
     dtype: str = "float32"              # of parameters and data: float32, bfloat16 or float16
     wiring: str = ""                    # "" (as documented) or a key of MISWIRINGS
     loss: Loss | None = field(default=None, repr=False)  # None: the model's own (in repr where set)
-    # FSDP1's sharding strategy (a name in FSDP1_HYBRID; "" its default, FULL_SHARD), and how
+    # FSDP1's sharding strategy (a name in FSDP1_HYBRID or FSDP1_FLAT; "" its default, FULL_SHARD), and how
     # FSDP2 sees the mesh (SPMD_FORMS; "" a sub-mesh): in repr where set
     fsdp1_strategy: str = field(default="", repr=False)
     dp_mesh_dims: str = field(default="", repr=False)
     loss_reduction: str = field(default="", repr=False)  # one of LOSS_REDUCTIONS (in repr where set)
+    fsdp1: FSDP1Options = field(default_factory=FSDP1Options, repr=False)  # in repr where set
     # A user's model, plan, data and loss (tpdp_verify.plan.case.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)
@@ -283,7 +314,8 @@ class TrainCase:
         pprint_fields(self, p, cycle, self._shown())
 
     def _shown(self) -> list[str]:
-        return _shown(self, ("loss",), None) + [n for n in _LATE_STR if getattr(self, n)]
+        return (_shown(self, ("loss",), None) + [n for n in _LATE_STR if getattr(self, n)]
+                + (["fsdp1"] if self.fsdp1 != FSDP1Options() else []))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self._shown())})"
@@ -301,7 +333,8 @@ class TrainCase:
         import torch
 
         half = self.ddp.wire_dtype if self.entry in DDP_ENTRIES else \
-            self.fsdp.wire_dtype if self.entry in FSDP2_ENTRIES else None
+            self.fsdp.wire_dtype if self.entry in FSDP2_ENTRIES else \
+            self.fsdp1.wire_dtype if self.entry == "fsdp1" else None
         dtypes = [self.torch_dtype] + ([getattr(torch, half)] if half else [])
         return max(dtypes, key=lambda d: torch.finfo(d).eps)
 

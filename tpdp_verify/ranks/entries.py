@@ -188,17 +188,22 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     skip = ignored(model, case)
     strategy = {"sharding_strategy": ShardingStrategy[case.fsdp1_strategy]} if case.fsdp1_strategy else {}
-    return _driven_fsdp1(FSDP(model, device_mesh=dp_mesh(case, mesh), use_orig_params=True, device_id=device,
-                              ignored_modules=[skip] if skip else None, **strategy))
+    # dp_by_group: the process group where the mesh belongs, so FSDP1 installs no DTensor extension
+    group = {"process_group": mesh["dp"].get_group()} if case.wiring == "dp_by_group" else \
+        {"device_mesh": dp_mesh(case, mesh)}
+    return _driven_fsdp1(FSDP(model, **group, use_orig_params=True, device_id=device,
+                              ignored_modules=[skip] if skip else None, **strategy, **case.fsdp1.kwargs(model)))
 
 
 def _driven_fsdp1(fsdp) -> Wrapped:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from tpdp_verify.ranks.loop import user_named
+
     @contextlib.contextmanager
     def whole_params():
         with FSDP.summon_full_params(fsdp, with_grads=True):
-            yield dict(fsdp.module.named_parameters(remove_duplicate=False))
+            yield dict(user_named(fsdp.module.named_parameters(remove_duplicate=False)))
 
     return Wrapped(fsdp, fsdp.module, fsdp.no_sync, whole_params, FSDP1_STATE)
 
@@ -277,7 +282,8 @@ SETS = {
     "replicate (FSDP2-based)": {"mesh", "mp_policy", "ignored_params", "dp_mesh_dims"},
     "fully_shard": {"mesh", "mp_policy", "ignored_params", "reshard_after_forward", "dp_mesh_dims",
                     "shard_placement_fn"},
-    "FullyShardedDataParallel": {"device_mesh", "use_orig_params", "device_id", "ignored_modules", "sharding_strategy"},
+    "FullyShardedDataParallel": {"device_mesh", "process_group", "use_orig_params", "device_id", "ignored_modules", "sharding_strategy",
+                                 "auto_wrap_policy", "mixed_precision"},
 }
 
 

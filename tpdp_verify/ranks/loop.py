@@ -24,6 +24,24 @@ from tpdp_verify.ranks.observation import Observation
 from tpdp_verify.ranks.pool import caught
 
 LR = {"sgd": 0.1, "adam": 1e-2}
+UNIT = "_fsdp_wrapped_module"  # FSDP1's attribute for a unit's module (auto_wrap_policy nests units)
+
+
+def user_name(name: str) -> str:
+    """A name as the user's model has it: FSDP1's nested units (FSDP1Options.auto_wrap) left out."""
+    return ".".join(part for part in name.split(".") if part != UNIT)
+
+
+def user_named(pairs) -> list[tuple[str, object]]:
+    """named_parameters() or named_buffers() pairs, by the names the user's model has."""
+    return [(user_name(n), x) for n, x in pairs]
+
+
+def user_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """named_modules() as the user's model has them: FSDP1's nested unit wrappers left out."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [(user_name(n), m) for n, m in module.named_modules() if not isinstance(m, FSDP)]
 
 
 @dataclass
@@ -270,7 +288,7 @@ def recording(run: Run, into: list):
                 into.append((name, whole(t.detach()).clone()))
         return record
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in run.inner.named_modules()]
+    handles = [m.register_forward_hook(hook(n)) for n, m in user_modules(run.inner)]
     try:
         yield
     finally:
@@ -380,7 +398,7 @@ def calls(run: Run, candidates: list[nn.Module], into: dict):
             into["last"] = (name, module, *copy)
         return keep
 
-    names = {id(m): n for n, m in run.inner.named_modules()}
+    names = {id(m): n for n, m in user_modules(run.inner)}
     handles = [b.register_forward_pre_hook(hook(names[id(b)]), prepend=True, with_kwargs=True)
                for b in candidates]
     try:
@@ -439,8 +457,8 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
             with held_params(run) as current:
                 trace.params.append(snapshot(run, current))
             trace.state.append({} if run.state_unobserved else optimizer_state(run, params, optimizer))
-            trace.buffers.append({n: whole(b.detach()).clone() for n, b in run.inner.named_buffers()})
-        trace.registry = [n for n, _ in run.inner.named_parameters()]
+            trace.buffers.append({n: whole(b.detach()).clone() for n, b in user_named(run.inner.named_buffers())})
+        trace.registry = [n for n, _ in user_named(run.inner.named_parameters())]
         trace.tied = _tied(run.inner)
         trace.ignored += left_as_they_were(case, run, "after training")
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
@@ -477,7 +495,7 @@ def left_as_they_were(case: TrainCase, run: Run, when: str) -> list[str]:
 def _tied(model: nn.Module) -> list[tuple[str, ...]]:
     """The groups of names under which one parameter is registered (an embedding tied to its head)."""
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in user_named(model.named_parameters(remove_duplicate=False)):
         names.setdefault(id(p), []).append(name)
     return [tuple(group) for group in names.values() if len(group) > 1]
 
@@ -493,7 +511,7 @@ def tracking(module: nn.Module, running: list[str]):
     def leave(m, args, output):
         running.pop()
 
-    handles = [h for n, m in module.named_modules()
+    handles = [h for n, m in user_modules(module)
                for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
     try:
         yield

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from tpdp_verify import signature
 from tpdp_verify.cases.training import TrainCase
-from tpdp_verify.ranks.loop import Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train
+from tpdp_verify.ranks.loop import (Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train,
+                                    user_named)
 from tpdp_verify.ranks.pieces import cut
 from tpdp_verify.ranks.pool import caught
 from tpdp_verify.ranks.reductions import Reduction, watching
@@ -172,7 +173,7 @@ def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
     specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)} | (wrapped.layouts or {})
     return Run(wrapped.model, wrapped.inner, rows(case, dp_rank(case, mesh)),
                part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
-               handles=dict(wrapped.inner.named_parameters(remove_duplicate=False)),
+               handles=dict(user_named(wrapped.inner.named_parameters(remove_duplicate=False))),
                before_wrap=before, whole_params=wrapped.whole_params,
                state_unobserved=wrapped.state_unobserved, sync_ignored=averaging_ignored(case, wrapped, mesh),
                ignored=ignored_names(case, wrapped.inner, before), **spmd_io(case, mesh))
