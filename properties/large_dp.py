@@ -136,9 +136,9 @@ def every_form(strategies: dict) -> list[dict]:
     """The MLP's simplest case in every form, on the 3-D meshes drawn most (both (1, 2, 2) and
     (2, 1, 2) on 4 ranks, so that each dp dimension is real in one) and the first 2-D mesh:
     FSDP1 with each hybrid strategy and each ZeRO stage (FULL_SHARD, which the other
-    properties draw, by units: auto_wrap_policy), fully_shard on the 2-D DP mesh and with each form of
-    dp_mesh_dims (and sharding on dim 1), FSDP2's replicate with dp_mesh_dims. 40 drawn
-    cases meet each form a few times, the MLP's once or never."""
+    properties draw, by units: auto_wrap_policy), fully_shard on the 2-D DP mesh and with each
+    form of dp_mesh_dims (the loss reduced each way in turn; sharding on dim 1 too), FSDP2's
+    replicate with dp_mesh_dims. The drawn cases meet each form a few times, the MLP's once or never."""
     found = {c.entry: c for c in every_entry(strategies, HSDP_ENTRIES)}
     if not found:
         return []
@@ -146,7 +146,8 @@ def every_form(strategies: dict) -> list[dict]:
     first, two = most_drawn(world), weighted(meshes(world))[0]
 
     def on(entry, mesh, **form):
-        return dataclasses.replace(found[entry], mesh_shape=mesh, **{"dp_mesh_dims": "", "fsdp1_strategy": ""} | form)
+        return dataclasses.replace(found[entry], mesh_shape=mesh,
+                                   **{"dp_mesh_dims": "", "fsdp1_strategy": "", "loss_reduction": ""} | form)
 
     forms = []
     if "fsdp1" in found:  # each hybrid strategy on the 3-D meshes, each ZeRO stage on the 2-D one
@@ -155,8 +156,11 @@ def every_form(strategies: dict) -> list[dict]:
         forms += [on("fsdp1", two, fsdp1_strategy=s, **({"fsdp1": units} if s == "FULL_SHARD" else {}))
                   for s in FSDP1_FLAT]
     if "fully_shard" in found:
-        forms += [on("fully_shard", m, dp_mesh_dims=f) for m in (*first, two) for f in ("", *SPMD_FORMS)
-                  if (f != "both" and f) or len(m) == 3]
+        forms += [on("fully_shard", m) for m in first]  # HSDP on the 2-D DP mesh
+        # each form of dp_mesh_dims on each mesh, the loss reduced each way in turn
+        spmd = [(m, f) for m in (*first, two) for f in SPMD_FORMS if f != "both" or len(m) == 3]
+        forms += [on("fully_shard", m, dp_mesh_dims=f, loss_reduction=LOSS_REDUCTIONS[i % len(LOSS_REDUCTIONS)])
+                  for i, (m, f) in enumerate(spmd)]
         # a dim 1 that splits evenly over the shard ranks, where FSDP shards
         wide = dataclasses.replace(found["fully_shard"].fsdp, shard_dim=1)
         forms += [dataclasses.replace(on("fully_shard", first[0], dp_mesh_dims=f), size=Size(dim=8, hidden=8),

@@ -1,5 +1,5 @@
 """The replay scripts of docs/known-divergences.md for the faults the exclusions hid and the
-drawn losses, the policy's reductions and the DP large models train with found (faults 12 to 18), as
+drawn losses, the policy's reductions and the DP large models train with found (faults 12 to 20), as
 shipped: each runs on gloo ranks and prints the fault."""
 
 import subprocess
@@ -65,3 +65,10 @@ def test_fsdp1_hybrid_with_a_shard_group_of_one_rank_never_synchronizes_its_repl
     out = _run("fsdp1_hybrid_one_rank_shard_group.py")
     assert "FULL_SHARD: " in out and "the replicas agree" in out.split("FULL_SHARD: ", 1)[1].splitlines()[0], out
     assert "HYBRID_SHARD: " in out and "the replicas DISAGREE" in out.split("HYBRID_SHARD: ", 1)[1], out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp1_no_shard_cannot_train_a_tp_model():
+    out = _run("fsdp1_no_shard_with_tp.py")
+    assert "FULL_SHARD: trains" in out and "SHARD_GRAD_OP: trains" in out and "NO_SHARD without TP: trains" in out, out
+    assert "NO_SHARD: the forward raises Cannot writeback when the parameter shape changes" in out, out

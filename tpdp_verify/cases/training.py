@@ -49,9 +49,12 @@ FSDP1_FLAT = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 SPMD_FORMS = ("shard", "replicate", "both")
 # How the loss a run backpropagates reduces its samples' weighted losses, as users write it
 # (TrainCase.loss_reduction): "" their mean; "sum"; "sum_over_count", the sum divided by the
-# global batch's count. Over a DTensor sharded on dp these reduce the global batch, so only
-# the SPMD form draws the last two: under a sub-mesh DP each rank reduces its own rows.
-LOSS_REDUCTIONS = ("", "sum", "sum_over_count")
+# global batch's count; "masked", as a per-token loss with padding is reduced, a row a token:
+# some rows are padding (a drawn mask, the first row kept), and the kept rows' sum is divided
+# by their count over the global batch, which DTensor counts from the mask (a data-dependent
+# reduction over dp). Over a DTensor sharded on dp these reduce the global batch, so only
+# the SPMD form draws the last three: under a sub-mesh DP each rank reduces its own rows.
+LOSS_REDUCTIONS = ("", "sum", "sum_over_count", "masked")
 OPTIMIZERS = ("sgd", "adam")
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 # When the optimizer is built: on the TP'd model before the DP wrapper, on the wrapper's

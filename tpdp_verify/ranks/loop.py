@@ -157,6 +157,9 @@ def checkpoint_blocks(model: nn.Module) -> None:
         checkpoint(block)
 
 
+LOOP_KEYS = ("weight", "kept")  # what batches() adds to a fixture's batch, for the loss alone
+
+
 def batches(case: TrainCase, dtype: torch.dtype | None = None) -> list[list[dict]]:
     """Global batches a step, a microbatch each, with a random weight per sample.
 
@@ -172,6 +175,9 @@ def batches(case: TrainCase, dtype: torch.dtype | None = None) -> list[list[dict
             b = fx.batch(gen, case.global_batch, case.size)
             b = {k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()}
             b["weight"] = torch.rand(case.global_batch, generator=gen, dtype=torch.float64).to(dtype)
+            if case.loss_reduction == "masked":  # 1 where a row counts, 0 where it is padding
+                kept = torch.rand(case.global_batch, generator=gen) < 0.7
+                b["kept"] = kept.index_fill(0, torch.tensor([0]), True).to(dtype)
             micro.append(b)
         steps.append(micro)
     return steps
@@ -213,7 +219,7 @@ def model_keys(inner: nn.Module, batch: dict) -> list[str]:
 
     params = inspect.signature(inner.forward).parameters
     named = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return [k for k in batch if k in named and k != "weight"]
+    return [k for k in batch if k in named and k not in LOOP_KEYS]
 
 
 def output_leaves(out, rows: int) -> tuple[dict, list[str]]:
@@ -250,13 +256,14 @@ def leaf_name(path) -> str:
     return text.lstrip(".") or "model"
 
 
-def weighted_loss(per_sample: torch.Tensor, weight: torch.Tensor, case: TrainCase) -> torch.Tensor:
+def weighted_loss(per_sample: torch.Tensor, batch: dict, case: TrainCase) -> torch.Tensor:
     """The loss a run backpropagates: each sample's loss weighted by a random weight and
     averaged (or reduced as the case's loss_reduction says), which exposes DP averaging bugs
     a plain mean hides; a loss the model already averaged over its batch (a scalar, as
     transformers' ``labels`` give) as it is."""
     from torch.distributed.tensor import DTensor
 
+    weight = batch["weight"]
     if not isinstance(weight, DTensor):  # else the SPMD form's: both sharded alike on dp, reduced by DTensor
         per_sample = whole(per_sample)
     if per_sample.dim() == 0:
@@ -266,6 +273,8 @@ def weighted_loss(per_sample: torch.Tensor, weight: torch.Tensor, case: TrainCas
         return weighted.sum()
     if case.loss_reduction == "sum_over_count":  # the global batch's count: what the SPMD form's sum covers
         return weighted.sum() / case.global_batch
+    if case.loss_reduction == "masked":  # the kept rows' count over the global batch, as DTensor sums it
+        return (weighted * batch["kept"]).sum() / batch["kept"].sum()
     return weighted.mean()
 
 
@@ -440,7 +449,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
                     with record, calls(run, direct if m == 0 else [], called), tracking(run.inner, running):
                         out = forward(run.model, run.inner, local)
                     running.append(LOSS)
-                    loss = weighted_loss(fx.per_sample_loss(out, local), local["weight"], case)
+                    loss = weighted_loss(fx.per_sample_loss(out, local), local, case)
                     running.pop()
                     loss.backward()
                 leaves, trace.unread = output_leaves(run.rows_of(out), len(b["weight"][run.rows]))
