@@ -81,3 +81,7 @@ def test_torch_2_13s_unset_keywords_are_each_listed_or_explained():
         missing["DistributedDataParallel"])  # what cases set is not listed
     assert "(device_ids)" in coverage.summary_line(missing)  # not set on purpose, with a reason in the JSON
     assert coverage.record(missing)["DistributedDataParallel"]["device_ids"].startswith("a CUDA module")
+    # every keyword of the DP that large models train with is drawn or explained (FSDP1's
+    # process_group, auto_wrap_policy and mixed_precision drawn: tests/test_large_dp.py, test_wiring.py)
+    for entry in ("fully_shard", "replicate (FSDP2-based)", "FullyShardedDataParallel"):
+        assert all(coverage.reason(entry, k) for k in missing[entry]), (entry, missing[entry])

@@ -140,6 +140,26 @@ def test_a_parallelize_function_that_wraps_dp_itself_is_driven_as_it_wraps():
     assert "parameters stay registered in order (vs one device): docs/known-divergences.md#" in str(ddp), str(ddp)
 
 
+@pytest.mark.timeout(300)
+def test_a_parallelize_function_that_shards_over_the_whole_mesh_is_driven_in_the_spmd_form():
+    """fully_shard(mesh=<the whole mesh>, dp_mesh_dims=...) in the user's own function: the
+    tool finds the SPMD form and feeds it batches as DTensors sharded on dp. With fault 17's
+    workaround it trains exactly; as documented it scales gradients by 1/dp, which the
+    shipped baseline knows in that form."""
+    with RankPool(4) as four:
+        fixed = verify(None, parallelize_fn=um.parallelize_spmd_undivided, dp="own", mesh=(2, 1, 2), steps=2,
+                       pool=four, impl="torch")
+        documented = verify(None, parallelize_fn=um.parallelize_spmd, dp="own", mesh=(2, 2), steps=2,
+                            pool=four, impl="torch", baseline="torch-2.13.0")
+    assert fixed.status == "PASS", str(fixed)
+    lines = {x.check: x for x in fixed.lines}
+    assert lines["plan keys resolve"].detail.endswith("wrapped DP itself (fully_shard(dp_mesh_dims=replicate))")
+    assert lines["gradients vs one device"].compared > 0
+    assert documented.status == "KNOWN" and documented.ok, str(documented)
+    known = json.loads(documented.to_json())["known"]
+    assert any(k["part"] == "value:gradient" for k in known) and all("dp_mesh_dimsreplicate" in k["entry"] for k in known), known
+
+
 def test_a_function_wrapping_ddp_itself_is_assembled_from_its_local_shards(pool):
     """DDP holds the TP parameters as plain local shards; their layouts are inferred from
     the unsharded model's shapes, and every value compared."""

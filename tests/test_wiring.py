@@ -36,10 +36,12 @@ def test_every_miswiring_is_drawn_only_where_it_means_something():
 
     collect()
     assert seen and all(min(c.mesh_shape) > 1 and c.wiring in wirings(c.entry) for c in seen)
+    assert {c.entry for c in seen if c.wiring == "dp_by_group"} == {"ddp_mesh", "fsdp1"}  # both take a group
 
 
 @pytest.mark.parametrize("entry, wiring, said", [("ddp_mesh", "dp_by_group", "does not have a sharding strategy"),
-                                                 ("fsdp1", "dp_over_mesh", "resize_() on an invalid python storage")])
+                                                 ("fsdp1", "dp_over_mesh", "resize_() on an invalid python storage"),
+                                                 ("fsdp1", "dp_by_group", "resize_() on an invalid python storage")])
 def test_an_error_that_is_not_about_the_mesh_is_a_finding(tpdp_pools, entry, wiring, said):
     """torch 2.13 raises while wrapping, before any step, but about something else than the
     mesh or group it was handed: torch failing on what it accepted, not a refusal."""

@@ -250,3 +250,34 @@ def parallelize_tp_over_dp(model, mesh):
     from torch.distributed.tensor.parallel import parallelize_module
 
     return parallelize_module(model, mesh["dp"], PLAN)
+
+
+def _on_the_whole_mesh(model, mesh, divide_by: float | None):
+    """The SPMD form torch 2.13 moves DP to, as a user writes it: each parameter a DTensor on
+    the whole mesh, Replicate() over the dp dimensions and up/down placed on tp as
+    ColwiseParallel/RowwiseParallel place them, then fully_shard over the whole mesh with
+    dp_mesh_dims naming the dp dimensions it replicates over."""
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dp = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    placed = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}
+    for name, p in list(model.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        where = (Replicate(),) * len(dp) + (placed.get(name, Replicate()),)
+        setattr(model.get_submodule(owner), attr, nn.Parameter(distribute_tensor(p.detach(), mesh, where)))
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate=dp[0] if len(dp) == 1 else dp))
+    if divide_by is not None:
+        model.set_gradient_divide_factor(divide_by)
+    return model
+
+
+def parallelize_spmd(model, mesh):
+    """fully_shard over the whole SPMD mesh as torch 2.13 documents it."""
+    return _on_the_whole_mesh(model, mesh, None)
+
+
+def parallelize_spmd_undivided(model, mesh):
+    """The same with the gradient divide factor 1, the workaround of torch 2.13's 1/dp
+    (docs/known-divergences.md, fault 17): exact for the replicating form on gloo."""
+    return _on_the_whole_mesh(model, mesh, 1.0)

@@ -270,10 +270,11 @@ def tp_sharded(model: nn.Module, shapes: dict) -> list[str]:
                 hasattr(p, "_st_info") or p.shape != shapes.get(n, p.shape))]
 
 
-def check_on_ranks(pool, case: TrainCase) -> tuple[int, str]:
+def check_on_ranks(pool, case: TrainCase) -> tuple[int, str, str]:
     """Run ``preflight`` on every rank; raise the first problem; return how many plan keys
-    were checked (or parameters a parallelize function sharded) and the DP entry point the
-    ranks train under (the one a parallelize function applied itself, for dp="own").
+    were checked (or parameters a parallelize function sharded), the DP entry point the
+    ranks train under (the one a parallelize function applied itself, for dp="own") and how
+    it sees the mesh (TrainCase.dp_mesh_dims).
     Weights must agree on every rank and with the parent's own build."""
     from tpdp_verify.ranks.loop import build
 
@@ -291,7 +292,8 @@ def check_on_ranks(pool, case: TrainCase) -> tuple[int, str]:
     user = case.user
     if user.parallelize_fn is not None:
         return pool.run(_sharded, case)[0]
-    return len(user.plan) if not callable(user.plan) else len(pool.run(_plan_keys, case)[0]), case.entry
+    keys = len(user.plan) if not callable(user.plan) else len(pool.run(_plan_keys, case)[0])
+    return keys, case.entry, case.dp_mesh_dims
 
 
 def _plan_keys(case: TrainCase) -> list[str]:
@@ -302,10 +304,10 @@ def _plan_keys(case: TrainCase) -> list[str]:
     return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, case.mesh_dims)["tp"]))
 
 
-def _sharded(case: TrainCase) -> tuple[int, str]:
+def _sharded(case: TrainCase) -> tuple[int, str, str]:
     """On every rank: how many parameters the user's parallelize function holds apart by
-    TP, and the DP entry point it trains under."""
-    from tpdp_verify.ranks.entries import own_entry
+    TP, the DP entry point it trains under and how that sees the mesh."""
+    from tpdp_verify.ranks.entries import own_entry, spmd_form
     from tpdp_verify.ranks.loop import build, fixture
     from tpdp_verify.ranks.pool import device_mesh
     from tpdp_verify.ranks.tp_dp import apply_tp
@@ -313,4 +315,6 @@ def _sharded(case: TrainCase) -> tuple[int, str]:
     model = build(case)
     shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
     model = apply_tp(fixture(case), case, model, device_mesh(case.mesh_shape, case.mesh_dims))
-    return len(tp_sharded(model, shapes)), own_entry(model) if case.entry == "own" else case.entry
+    if case.entry != "own":
+        return len(tp_sharded(model, shapes)), case.entry, case.dp_mesh_dims
+    return len(tp_sharded(model, shapes)), own_entry(model), spmd_form(model)

@@ -89,9 +89,9 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         warm_up(tuple(dict.fromkeys(fn.__module__ for fn in (model_fn, input_fn, loss_fn, optimizer_fn, parallelize_fn)
                                     if fn is not None and fn.__module__ not in ("__main__", "__mp_main__"))))
     pool = RankPool(world, backend, timeout=timeout, output=rank_output) if owned else pool
-    keys, entry = 0, case.entry
+    keys, entry, spmd = 0, case.entry, case.dp_mesh_dims
     try:
-        keys, entry = check_on_ranks(pool, case)
+        keys, entry, spmd = check_on_ranks(pool, case)
         one = verdict_one_device(pool, impl, case)
         plain = Verdict(against="plain DDP") if case.entry == "own" else verdict_plain_ddp(pool, impl, case)
     except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
@@ -100,9 +100,10 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         if owned:
             pool.close()
     if case.entry == "own":
-        known = _known_faults(baseline, case, entry) if baseline else {}
+        known = _known_faults(baseline, case, entry, spmd) if baseline else {}
+    form = dataclasses.replace(case, entry=entry, dp_mesh_dims=spmd).dp_form
     detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
-        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({entry})"
+        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({form})"
     return Report.of(case, keys, one, plain, replay or script(case, impl, plan, baseline), detail,
                      baseline or "", known, OWN_DP if case.entry == "own" else "")
 
@@ -116,13 +117,15 @@ _TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_o
              "plain DDP": ("trains_like_plain_ddp", "large_dp_trains_like_plain_dp")}
 
 
-def _known_faults(name: str, case: TrainCase, entry: str | None = None) -> dict:
-    """The known faults a user's run through the case's entry point (``entry``, where the
-    user's function chose it), in its form and on a mesh of its kind, can show."""
+def _known_faults(name: str, case: TrainCase, entry: str | None = None, spmd: str | None = None) -> dict:
+    """The known faults a user's run through the case's entry point (``entry``, and ``spmd``
+    how it sees the mesh, where the user's function chose them), in its form and on a mesh of
+    its kind, can show."""
     from tpdp_verify.runner import baseline
 
     _, entries = baseline.load(name)  # a bad name or file: one line, before any rank starts
-    form = dataclasses.replace(case, entry=entry or case.entry).dp_form
+    form = dataclasses.replace(case, entry=entry or case.entry,
+                               dp_mesh_dims=case.dp_mesh_dims if spmd is None else spmd).dp_form
     return {against: baseline.training_parts(entries, props, form, case.mesh_shape)
             for against, props in _TRAINING.items()}
 

@@ -25,6 +25,9 @@ class Wrapped(NamedTuple):
     # TP layouts of parameters the wrapper holds as plain local shards, where they could not
     # be recorded before it wrapped (a user's own DP: wrap_own)
     layouts: dict | None = None
+    # FSDP2 over the whole SPMD mesh (dp_mesh_dims), where a user's own DP set it (wrap_own):
+    # its batches are DTensors sharded on dp, as for TrainCase.dp_mesh_dims
+    spmd: bool = False
 
 
 def ignored(model: nn.Module, case: TrainCase) -> nn.Module | None:
@@ -216,7 +219,7 @@ def wrap_own(model, case: TrainCase, mesh, impl) -> Wrapped:
         raise RuntimeError("dp='own' but parallelize_fn applied no DP: wrap the model in DDP, replicate, "
                            "fully_shard or FSDP on mesh['dp'], or let tpdp-verify wrap it (dp='ddp', ...)")
     if entry in ("fully_shard", "replicate_fsdp"):  # FSDP2's parameters stay DTensors, their layouts in sight
-        return Wrapped(model, model, lambda: _fsdp2_no_sync(model))
+        return Wrapped(model, model, lambda: _fsdp2_no_sync(model), spmd=bool(spmd_form(model)))
     if entry == "fsdp1":
         return _driven_fsdp1(model)
     wrapped = (Wrapped(model, model, lambda: _replicate_no_sync(model)) if entry == "replicate" else
@@ -240,6 +243,19 @@ def own_entry(model: nn.Module) -> str | None:
 
         return "replicate_fsdp" if isinstance(model, ReplicateModule) else "fully_shard"
     return "replicate" if replicate.state(model) is not None else None
+
+
+def spmd_form(model: nn.Module) -> str:
+    """How a user's own FSDP2 sees the mesh, as TrainCase.dp_mesh_dims names it: "" where no
+    unit in ``model`` was given the whole mesh with dp_mesh_dims, else "shard", "replicate"
+    or "both"."""
+    units = (m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state"))
+    dims = [g.mesh_info.dp_mesh_dims for u in units for g in u._fsdp_param_groups
+            if getattr(g.mesh_info, "is_spmd_mesh", False)]
+    if not dims:
+        return ""
+    named = [k for k in ("shard", "replicate") if getattr(dims[0], k) is not None]
+    return "both" if len(named) == 2 else named[0]
 
 
 def hidden_layouts(inner: nn.Module, case: TrainCase, mesh) -> dict:

@@ -141,11 +141,12 @@ def on_the_whole_mesh(case: TrainCase, model, mesh):
     return model
 
 
-def spmd_io(case: TrainCase, mesh) -> dict:
+def spmd_io(case: TrainCase, mesh, spmd: bool = False) -> dict:
     """Run's ``inputs`` and ``rows_of`` for the SPMD form: this rank's rows as DTensors sharded
     on every dp dimension (Replicate() on tp), and an output's batch-shaped DTensor leaves
-    back as this rank's rows (the others whole)."""
-    if not case.dp_mesh_dims:
+    back as this rank's rows (the others whole). ``spmd``: a user's own DP took the whole mesh
+    (Wrapped.spmd)."""
+    if not (case.dp_mesh_dims or spmd):
         return {}
     import torch.utils._pytree as pytree
     from torch.distributed.tensor import Replicate, Shard
@@ -176,7 +177,7 @@ def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
                handles=dict(user_named(wrapped.inner.named_parameters(remove_duplicate=False))),
                before_wrap=before, whole_params=wrapped.whole_params,
                state_unobserved=wrapped.state_unobserved, sync_ignored=averaging_ignored(case, wrapped, mesh),
-               ignored=ignored_names(case, wrapped.inner, before), **spmd_io(case, mesh))
+               ignored=ignored_names(case, wrapped.inner, before), **spmd_io(case, mesh, wrapped.spmd))
 
 
 def ignored_names(case: TrainCase, inner, before: dict) -> tuple[str, ...]:
