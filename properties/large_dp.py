@@ -5,8 +5,8 @@ A drawn case is a ``TrainCase`` like every other training property's, on a 3-D
 (dp_replicate, dp_shard, tp) mesh as torchtitan builds it, or on any mesh with
 ``dp_mesh_dims`` set (how DP sees the mesh: one dimension of the case); the same ranks,
 oracles and verdicts judge it. These properties draw from a space of their own, so that the
-other properties' draws, and the baseline learned from them, stay as they were. HSDP's
-checkpoints are drawn too: state_dict, and save, load and resume by every route.
+other properties' draws, and the baseline learned from them, stay as they were. Checkpoints
+of HSDP and of the SPMD form are drawn too: state_dict, and save, load and resume by every route.
 """
 
 from __future__ import annotations
@@ -185,15 +185,17 @@ def large_dp_trains_like_plain_dp(pool, impl: str, case: TrainCase) -> None:
 
 
 @st.composite
-def hsdp_checkpoint_cases(draw, world_size: int) -> TrainCase:
-    """HSDP cases to checkpoint: fully_shard and FSDP1's hybrid strategies on a 3-D mesh, the
-    optimizer built after wrapping, the entry points' first options and no habits (the
-    exclusion checkpoint_options_and_habits)."""
-    mesh = draw(_one_of(hsdp_meshes(world_size)))
+def checkpoint_cases(draw, world_size: int) -> TrainCase:
+    """Cases to checkpoint: HSDP (fully_shard and FSDP1's hybrid strategies on a 3-D mesh), or
+    fully_shard over the whole SPMD mesh in each form; the optimizer built after wrapping, the
+    entry points' first options and no habits (the exclusion checkpoint_options_and_habits)."""
+    view = draw(_one_of(VIEWS[:2]))
+    mesh = draw(_one_of(hsdp_meshes(world_size) if view == "hsdp" else spmd_meshes(world_size)))
     model = draw(_one_of(tuple(ZOO)))
-    entry = draw(_one_of(CHECKPOINTED))
+    entry = draw(_one_of(CHECKPOINTED)) if view == "hsdp" else "fully_shard"
     return TrainCase(model=model, size=draw(_sizes(model, mesh[-1])), mesh_shape=mesh, entry=entry,
                      fsdp1_strategy=draw(_one_of(FSDP1_HYBRID)) if entry == "fsdp1" else "",
+                     dp_mesh_dims=draw(_one_of(SPMD_FORMS if len(mesh) == 3 else SPMD_FORMS[:2])) if view == "spmd" else "",
                      **run_fields(draw, entry, ("after_wrap",), FSDP2Options()))
 
 
@@ -201,23 +203,25 @@ CHECKPOINTED = ("fully_shard", "fsdp1")  # the entry points that take a 2-D DP m
 
 
 def every_checkpoint(strategies: dict) -> list[dict]:
-    """The MLP's simplest case through each entry point on the 3-D meshes drawn most, by
-    every route where one is drawn."""
+    """The MLP's simplest case through each entry point on the 3-D meshes drawn most, and
+    fully_shard in each SPMD form on the first of them, by every route where one is drawn."""
     routes = ROUTES if "route" in strategies else (None,)
     found = every_entry(strategies, CHECKPOINTED)
     meshes_ = most_drawn(math.prod(found[0].mesh_shape)) if found else []
-    return [{"case": dataclasses.replace(c, mesh_shape=m)} | ({"route": r} if r else {})
-            for c in found for m in meshes_ for r in routes]
+    cases = [dataclasses.replace(c, mesh_shape=m) for c in found for m in meshes_]
+    cases += [dataclasses.replace(c, mesh_shape=meshes_[0], dp_mesh_dims=f)
+              for c in found if c.entry == "fully_shard" for f in SPMD_FORMS]
+    return [{"case": c} | ({"route": r} if r else {}) for c in cases for r in routes]
 
 
-@tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=hsdp_checkpoint_cases)
+@tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=checkpoint_cases)
 def large_dp_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
-    """HSDP x TP on a 3-D mesh: state_dict() before and after training has the unsharded model's keys, shapes and values."""
+    """HSDP x TP on a 3-D mesh, and fully_shard over the SPMD mesh: state_dict() before and after training has the unsharded model's keys, shapes and values."""
     verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
 
 
-@tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=hsdp_checkpoint_cases,
+@tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=checkpoint_cases,
                route=st.sampled_from(ROUTES))
 def large_dp_checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
-    """HSDP x TP on a 3-D mesh: saved by each route and loaded into a fresh model, it steps exactly as the uninterrupted one."""
+    """HSDP x TP on a 3-D mesh, and fully_shard over the SPMD mesh: saved by each route and loaded into a fresh model, it steps exactly as the uninterrupted one."""
     verdict_resume(pool, impl, case, route, worth_explaining, known_now).raise_if_failed()

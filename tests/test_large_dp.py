@@ -62,7 +62,7 @@ def test_the_ci_profile_draws_every_form_with_tp_and_dp_composed():
     assert fsdp1 == {(False, False), (True, False), (False, True), (True, True)}, fsdp1  # its keywords, each way
 
 
-def test_the_ci_profile_checkpoints_hsdp_by_every_route():
+def test_the_ci_profile_checkpoints_hsdp_and_the_spmd_form_by_every_route():
     from tpdp_verify.properties.large_dp import large_dp_checkpoint_resumes
 
     seen = []
@@ -76,6 +76,7 @@ def test_the_ci_profile_checkpoints_hsdp_by_every_route():
 
     assert {(f, r) for f, m, r in seen if m == (2, 1, 2)} >= {(f, r) for f in ("fully_shard", "fsdp1(HYBRID_SHARD)")
                                                                for r in ROUTES}, seen
+    assert {(f, r) for f, m, r in seen} >= {(f"fully_shard(dp_mesh_dims={f})", r) for f in SPMD_FORMS for r in ROUTES}
 
 
 def test_the_cases_are_drawn_on_8_ranks_too():
