@@ -353,10 +353,12 @@ class TrainCase:
 
     @property
     def dp_form(self) -> str:
-        """The entry point as a region names it: with FSDP1's strategy, or how fully_shard
-        sees the mesh, where the case sets one."""
+        """The entry point as a region names it: with FSDP1's strategy, how fully_shard sees
+        the mesh, or the miswiring it is given, where the case sets one (FSDP1 given the dp
+        group fails as FSDP1 given the whole mesh does, and each is a fault of its own)."""
         form = f"{self.entry}(dp_mesh_dims={self.dp_mesh_dims})" if self.dp_mesh_dims else self.entry
-        return f"{form}({self.fsdp1_strategy})" if self.fsdp1_strategy else form
+        form = f"{form}({self.fsdp1_strategy})" if self.fsdp1_strategy else form
+        return f"{form}[{self.wiring}]" if self.wiring else form
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
