@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 from tpdp_verify.cases.training import MISWIRINGS, TrainCase
 from tpdp_verify.oracles.verdicts import verdict_miswired
-from tpdp_verify.properties.training import meshes, train_cases
+from tpdp_verify.properties.training import every_entry, meshes, train_cases
 from tpdp_verify.runner.property import tpdp_property
 
 
 def wirings(entry: str) -> tuple[str, ...]:
     """The miswirings an entry point can be given: a process group in place of the mesh is
     DDP's and FSDP1's (the entry points that take either)."""
-    return tuple(w for w in MISWIRINGS if w != "dp_by_group" or entry in ("ddp_mesh", "fsdp1"))
+    return tuple(w for w in MISWIRINGS if w != "dp_by_group" or entry in BY_GROUP)
 
 
 def miswired_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
@@ -33,7 +33,16 @@ def miswired_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
     return cases.flatmap(lambda c: st.sampled_from(wirings(c.entry)).map(lambda w: dataclasses.replace(c, wiring=w)))
 
 
-@tpdp_property(min_world_size=4, case=miswired_cases)
+BY_GROUP = ("ddp_mesh", "fsdp1")  # the entry points that take a process group in place of the mesh
+
+
+def every_group_miswiring(strategies: dict) -> list[dict]:
+    """The MLP's simplest case through each entry point that takes a process group, given the
+    dp group in place of the mesh: 40 drawn cases can miss FSDP1's."""
+    return [{"case": dataclasses.replace(c, wiring="dp_by_group")} for c in every_entry(strategies, BY_GROUP)]
+
+
+@tpdp_property(min_world_size=4, cover=every_group_miswiring, case=miswired_cases)
 def miswiring_refused_or_exact(pool, impl: str, case: TrainCase) -> None:
     """DP over the tp dimension or the whole mesh, DDP by process group, TP over dp: refused before training, or exact."""
     verdict_miswired(pool, impl, case).raise_if_failed()

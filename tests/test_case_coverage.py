@@ -122,6 +122,8 @@ def test_the_ci_profile_draws_every_miswiring_and_every_entry_point_miswired():
     assert len(drawn_cases) >= CI.max_examples
     assert all(wirings[w] for w in MISWIRINGS), wirings
     assert all(entries[e] for e in ENTRIES), entries
+    by_group = {c.entry for c in drawn_cases if c.wiring == "dp_by_group"}
+    assert by_group == {"ddp_mesh", "fsdp1"}, by_group  # each entry point that takes a process group
 
 
 CHECKPOINTS = (state_dict_like_unsharded, entry_points_state_dict_like_unsharded, checkpoint_resumes,
