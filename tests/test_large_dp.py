@@ -165,3 +165,15 @@ def test_a_regression_in_fsdp2s_hsdp_is_new_against_the_shipped_baseline(tpdp_po
     regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1])[large_dp_trains_like_one_device.name]
     assert all(part not in regional.get(region(k.drawn()), set()) for k in new)
     assert all(f.replay for f in outcome.findings if f.status == "NEW")
+
+
+@pytest.mark.timeout(300)
+def test_the_spmd_forms_checkpoints_read_its_buffers_whole(tpdp_pools):
+    """The SPMD form's buffers are DTensors on the whole mesh: each rank reads them whole, so
+    the parent merges tensors (a DTensor reaching it was an internal error at release)."""
+    from tpdp_verify.oracles.checkpoints import verdict_state_dict
+    from tpdp_verify.runner.property import worth_explaining
+
+    case = TrainCase(model="buffers", mesh_shape=(2, 2), entry="fully_shard", dp_mesh_dims="shard")
+    verdict = verdict_state_dict(tpdp_pools.get(4), "torch", case, worth_explaining)
+    assert verdict.ok and len(verdict.checks) > 20, verdict.report()

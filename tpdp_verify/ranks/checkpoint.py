@@ -35,6 +35,7 @@ from tpdp_verify.ranks.loop import (
     optimizer_state,
     snapshot,
     train,
+    user_named,
     whole,
 )
 from tpdp_verify.ranks.observation import Observation
@@ -96,7 +97,8 @@ def _model_values(run: Run) -> dict:
     """Every parameter (whole or its Piece) and buffer, read through the captured handles."""
     with held_params(run) as current:
         values = snapshot(run, current)
-    values.update({f"buffer {n}": b.detach().clone() for n, b in run.inner.named_buffers()})
+    # whole, as train() reads them: the SPMD form's buffers are DTensors on the whole mesh
+    values.update({f"buffer {n}": whole(b.detach()).clone() for n, b in user_named(run.inner.named_buffers())})
     return values
 
 
