@@ -1,5 +1,5 @@
 """The replay scripts of docs/known-divergences.md for the faults the exclusions hid and the
-drawn losses, the policy's reductions and the DP large models train with found (faults 12 to 20), as
+drawn losses, the policy's reductions and the DP large models train with found (faults 12 to 21), as
 shipped: each runs on gloo ranks and prints the fault."""
 
 import subprocess
@@ -72,3 +72,11 @@ def test_fsdp1_no_shard_cannot_train_a_tp_model():
     out = _run("fsdp1_no_shard_with_tp.py")
     assert "FULL_SHARD: trains" in out and "SHARD_GRAD_OP: trains" in out and "NO_SHARD without TP: trains" in out, out
     assert "NO_SHARD: the forward raises Cannot writeback when the parameter shape changes" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_with_uneven_tp_shards_lets_a_replicated_parameters_copies_drift():
+    out = _run("hsdp_uneven_tp_replicas_drift.py")
+    assert "hidden 7 on (4, 1, 2): the tp copies of a replicated bias's gradient DISAGREE" in out, out
+    assert all(f"{form}: the tp copies of a replicated bias's gradient agree in 0 of 30" in out
+               for form in ("hidden 8 on (4, 1, 2)", "hidden 7 on (2, 2, 2)", "hidden 7 on (1, 4, 2)")), out
