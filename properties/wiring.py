@@ -44,5 +44,5 @@ def every_group_miswiring(strategies: dict) -> list[dict]:
 
 @tpdp_property(min_world_size=4, cover=every_group_miswiring, case=miswired_cases)
 def miswiring_refused_or_exact(pool, impl: str, case: TrainCase) -> None:
-    """DP over the tp dimension or the whole mesh, DDP by process group, TP over dp: refused before training, or exact."""
+    """DP over the tp dimension or the whole mesh, DDP or FSDP1 by process group, TP over dp: refused before training, or exact."""
     verdict_miswired(pool, impl, case).raise_if_failed()

@@ -1,5 +1,6 @@
 """The fixed draw is a function of the case space, the seed and hypothesis's pinned version:
-not of the source of the modules the searching process has imported.
+not of the source of the modules the searching process has imported, nor of the
+property's own source.
 
 Hypothesis draws one value in twenty from the constants it reads out of every local
 module in ``sys.modules``, tpdp-verify's own included. A search that let it would draw
@@ -12,8 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import importlib.util
+import inspect
+import linecache
 import sys
+import textwrap
 from types import SimpleNamespace
 
 from hypothesis import strategies as st
@@ -73,3 +79,47 @@ def test_the_gate_draws_the_same_training_cases_whatever_local_code_holds(tmp_pa
     before = drawn(trains_like_one_device, 4)
     _import_local_constants(tmp_path, monkeypatch)
     assert drawn(trains_like_one_device, 4) == before
+
+
+def _edited(fn, doc: str):
+    """``fn`` with its docstring edited, as an edit of the property's source."""
+    source = textwrap.dedent(inspect.getsource(fn).replace(fn.__doc__, doc))
+    source = source[source.index("def "):]
+    filename = f"<edited {fn.__name__}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)  # for getsource
+    namespace = dict(fn.__globals__)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[fn.__name__]
+
+
+def _drawn_by(prop: Property, fn) -> list:
+    seen = []
+
+    @functools.wraps(fn)
+    def record(pool, impl, **drawn):
+        seen.append(drawn)
+
+    dataclasses.replace(prop, fn=record).run(SimpleNamespace(world_size=4), "torch", CI)
+    return seen
+
+
+def test_an_edit_of_a_propertys_docstring_draws_the_same_cases(monkeypatch):
+    """Hypothesis's derandomize seeds from the test's source: a reworded docstring would
+    draw other cases, which a baseline learned from the old ones never met. The fixed
+    seeds are frozen per property (runner/fixed_seeds.json)."""
+    prop = trains_like_one_device
+    edited = _edited(prop.fn, "Reworded: trains like one device.")
+    before = _drawn_by(prop, prop.fn)
+    assert before and _drawn_by(prop, edited) == before
+    # seeded by hypothesis alone (derandomize), the edit moves the draw
+    monkeypatch.setattr(property_mod, "fixed_seed", lambda name, fn: None)
+    assert _drawn_by(prop, edited) != _drawn_by(prop, prop.fn)
+
+
+def test_every_frozen_seed_is_a_propertys_of_the_suite():
+    """A renamed property would lose its frozen seed, and with it the draw its baseline
+    entries were learned from: rename it in fixed_seeds.json too."""
+    from tpdp_verify.runner import suite
+
+    names = {p.name for p in suite.load().properties}
+    assert set(property_mod._frozen()) <= names, set(property_mod._frozen()) - names
