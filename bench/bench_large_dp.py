@@ -21,23 +21,24 @@ from tpdp_verify.properties.large_dp import (
     large_dp_trains_like_plain_dp,
 )
 from tpdp_verify.ranks.pool import RankPool
-from tpdp_verify.runner import baseline, profiles
-from tpdp_verify.runner.gate import check_property
+from tpdp_verify.runner import profiles
+from tpdp_verify.runner.baseline import Baseline
+from tpdp_verify.runner.gate import judged_search
 
 PROPERTIES = (large_dp_trains_like_one_device, large_dp_trains_like_plain_dp, large_dp_state_dict_like_unsharded,
               large_dp_checkpoint_resumes)
 
 
 def searches(world_size: int) -> dict[str, float]:
-    """Seconds each property's ci search takes on ``world_size`` ranks, judged by the shipped baseline."""
-    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1])
+    """Seconds each property's ci search takes on ``world_size`` ranks, judged by torch 2.13.0."""
+    release = Baseline("2.13.0", install=False)
     profile = dataclasses.replace(profiles.get("ci"), shrink=False)  # a known failure is never shrunk
     out = {}
     logs = tempfile.mkdtemp(prefix="bench-large-dp-")  # torch's warnings, out of the terminal
     with RankPool(world_size, output=logs) as pool:
         for prop in PROPERTIES:
             start = time.monotonic()
-            outcome = check_property(prop, pool, "torch", profile, known=regional.get(prop.name, {}))
+            outcome = judged_search(prop, pool, "torch", profile, release)
             out[prop.name] = time.monotonic() - start
             print(f"  {prop.name:38} world {world_size}  {outcome.status:8} {outcome.stats.drawn:3} drawn "
                   f"{outcome.stats.covered:3} cover  {out[prop.name]:6.1f} s", flush=True)

@@ -224,7 +224,7 @@ def verdict_state_dict(pool, impl: str, case: TrainCase, explain: Explain = lamb
 
 
 def verdict_resume(pool, impl: str, case: TrainCase, route: str, explain: Explain = lambda signature: True,
-                   known: Explain = lambda signature: False, dp_own_passes: bool = False) -> Verdict:
+                   dp_own_passes: bool = False) -> Verdict:
     """A checkpoint saved, loaded and stepped on the ranks, judged; a departure ``explain``
     accepts is run without TP too, to say whose it is. With ``dp_own_passes``, a departure that the same entry point shows without TP (every
     part of it) is no departure of TP+DP's: a fresh DDP's first buckets reduce in another
@@ -234,8 +234,6 @@ def verdict_resume(pool, impl: str, case: TrainCase, route: str, explain: Explai
     verdict = judge_resume(case, run_checkpoint(pool, impl, case, route))
     if verdict.ok or not (dp_own_passes or explain(verdict.signature)):
         return verdict
-    if dp_own_passes and known(verdict.signature):
-        return verdict  # known as it is: no need to ask whose it is
     alone = _without_tp(verdict, pool, case, route, judge_resume)
     if dp_own_passes and alone is not None and not alone.ok and set(verdict.signature) <= set(alone.signature) \
             and no_larger(verdict, alone):

@@ -17,7 +17,7 @@ from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
 from tpdp_verify.properties.exclusions import UNTRAINABLE
 from tpdp_verify.properties.training import every_entry, every_model, train_cases
 from tpdp_verify.ranks.checkpoint import ROUTES
-from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaining
+from tpdp_verify.runner.property import tpdp_property, worth_explaining
 
 # Where a correct transform must checkpoint exactly: the DP entry points that carry TP
 # as documented (as properties.training.SOUND_CHECKPOINTS), by the routes that keep the tp dimension
@@ -105,28 +105,28 @@ def unsound_state_dict_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=sound_state_dict_cases)
-def state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
+def state_dict_like_unsharded(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """state_dict() before and after training has the unsharded model's keys, order, global shapes and values."""
-    verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_state_dict(pool, impl, case, explain).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=unsound_state_dict_cases)
-def entry_points_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
+def entry_points_state_dict_like_unsharded(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """The same through replicate, whose state_dict departs whatever the transform."""
-    verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_state_dict(pool, impl, case, explain).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, case=sound_cases, route=st.sampled_from(ROUTES),
                cover=_covering(lambda c, r: sound(c.entry, r, c.model, c), SOUND_CHECKPOINTS["entries"]))
-def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
+def checkpoint_resumes(pool, impl: str, case: TrainCase, route: str, explain=worth_explaining) -> None:
     """Saved after training and loaded into a fresh TP+DP model, model and optimizer are bit-exact, and so is the next step."""
     _within(sound(case.entry, route, case.model, case), case, route)
-    verdict_resume(pool, impl, case, route, worth_explaining, known_now, dp_own_passes=True).raise_if_failed()
+    verdict_resume(pool, impl, case, route, explain, dp_own_passes=True).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, case=all_cases, route=st.sampled_from(ROUTES),
                cover=_covering(lambda c, r: not sound(c.entry, r, c.model, c), ENTRIES))
-def entry_points_checkpoint_resume(pool, impl: str, case: TrainCase, route: str) -> None:
+def entry_points_checkpoint_resume(pool, impl: str, case: TrainCase, route: str, explain=worth_explaining) -> None:
     """The same where an entry point or route departs whatever the transform: replicate, DCP of DDP's and FSDP1's optimizer state."""
     _within(not sound(case.entry, route, case.model, case), case, route)
-    verdict_resume(pool, impl, case, route, worth_explaining, known_now).raise_if_failed()
+    verdict_resume(pool, impl, case, route, explain).raise_if_failed()

@@ -46,7 +46,7 @@ from tpdp_verify.properties.training import (
     weighted,
 )
 from tpdp_verify.ranks.checkpoint import ROUTES
-from tpdp_verify.runner.property import known_now, tpdp_property, worth_explaining
+from tpdp_verify.runner.property import tpdp_property, worth_explaining
 
 
 def hsdp_meshes(world_size: int) -> tuple[tuple[int, int, int], ...]:
@@ -173,9 +173,9 @@ def every_form(strategies: dict) -> list[dict]:
 # ci draws 10 cases a training property and 4 a checkpoint one beside their cover cases: its
 # 5 minutes hold no more (docs/performance.md, "The DP that large models train with")
 @tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 10}, case=large_dp_cases)
-def large_dp_trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
+def large_dp_trains_like_one_device(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """HSDP x TP on a 3-D mesh, and fully_shard over the whole SPMD mesh, train like the unsharded model on one device."""
-    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_one_device(pool, impl, case, explain).raise_if_failed()
 
 
 @tpdp_property(min_world_size=4, cover=every_form, examples={"ci": 10}, case=plain_dp_cases)
@@ -215,13 +215,13 @@ def every_checkpoint(strategies: dict) -> list[dict]:
 
 
 @tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=checkpoint_cases)
-def large_dp_state_dict_like_unsharded(pool, impl: str, case: TrainCase) -> None:
+def large_dp_state_dict_like_unsharded(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """HSDP x TP on a 3-D mesh, and fully_shard over the SPMD mesh: state_dict() before and after training has the unsharded model's keys, shapes and values."""
-    verdict_state_dict(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_state_dict(pool, impl, case, explain).raise_if_failed()
 
 
 @tpdp_property(min_world_size=4, cover=every_checkpoint, examples={"ci": 4}, case=checkpoint_cases,
                route=st.sampled_from(ROUTES))
-def large_dp_checkpoint_resumes(pool, impl: str, case: TrainCase, route: str) -> None:
+def large_dp_checkpoint_resumes(pool, impl: str, case: TrainCase, route: str, explain=worth_explaining) -> None:
     """HSDP x TP on a 3-D mesh, and fully_shard over the SPMD mesh: saved by each route and loaded into a fresh model, it steps exactly as the uninterrupted one."""
-    verdict_resume(pool, impl, case, route, worth_explaining, known_now).raise_if_failed()
+    verdict_resume(pool, impl, case, route, explain).raise_if_failed()

@@ -52,6 +52,6 @@ def every_loss(strategies: dict) -> list[dict]:
 
 
 @tpdp_property(min_world_size=2, cover=every_loss, case=loss_cases)
-def losses_train_like_one_device(pool, impl: str, case: TrainCase) -> None:
+def losses_train_like_one_device(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """TP+DP with a drawn loss over the vocabulary head (cross entropy's options, log_softmax/softmax/logsumexp compositions; under loss_parallel or not) matches one device."""
-    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_one_device(pool, impl, case, explain).raise_if_failed()

@@ -337,15 +337,15 @@ def unsound_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
 
 
 @tpdp_property(min_world_size=2, cover=every_model, case=sound_cases)
-def trains_like_one_device(pool, impl: str, case: TrainCase) -> None:
+def trains_like_one_device(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """TP+DP over K steps matches the unsharded model on one device: outputs, gradients, parameters, optimizer state."""
-    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_one_device(pool, impl, case, explain).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=every_clip, case=unsound_cases)
-def entry_points_train_like_one_device(pool, impl: str, case: TrainCase) -> None:
+def entry_points_train_like_one_device(pool, impl: str, case: TrainCase, explain=worth_explaining) -> None:
     """The same, where torch's entry points depart whatever the transform: replicate, FSDP1, early optimizers, static graphs, the habits DDP breaks."""
-    verdict_one_device(pool, impl, case, worth_explaining).raise_if_failed()
+    verdict_one_device(pool, impl, case, explain).raise_if_failed()
 
 
 @tpdp_property(min_world_size=2, cover=every_reduction, case=sound_cases_with_half)

@@ -321,12 +321,26 @@ def test_plan_takes_ones_own_parallelize_function():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "parallelize_fn made 12 parameters DTensors" in out.stdout
     own = plan("user_models:make_mlp", "--parallelize", "user_models:parallelize_with_ddp", "--dp", "own",
-               "--input", "user_models:vectors", "--steps", "1", "--baseline", "torch-2.13.0")
+               "--input", "user_models:vectors", "--steps", "1", "--baseline", "torch==2.13.0")
     assert own.returncode == 0, own.stdout + own.stderr
     assert "wrapped DP itself (ddp_mesh)" in own.stdout and "PASS but for known torch faults" in own.stdout
     both = plan("user_models:make_llama", "--plan", "user_models:PLAN",
                 "--parallelize", "user_models:parallelize_nothing", "--input", "user_models:tokens")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+@pytest.mark.timeout(300)
+def test_plan_tells_a_plan_bug_from_torchs_faults_by_evidence():
+    """Under --dp ddp torch 2.13 loses the registry: the correct Llama passes with that
+    attributed to torch; a model whose attention splits the config's heads, not the rank's,
+    departs in its output with the reference in torch's place too: the plan's, exit 1."""
+    args = ("--plan", "user_models:llama_blocks", "--input", "user_models:tokens", "--steps", "1", "--dp", "ddp",
+            "--baseline", "torch==2.13.0")
+    right, wrong = plan("user_models:make_llama", *args), plan("user_models:make_fixed_heads_llama", *args)
+    assert right.returncode == 0 and "PASS but for known torch faults" in right.stdout, right.stdout + right.stderr
+    assert "torch's faults, not the plan's" in right.stdout
+    assert wrong.returncode == 1 and "DIVERGES" in wrong.stdout.splitlines()[0], wrong.stdout + wrong.stderr
+    assert "the plan's departures (the run does not show them to be torch's): " in wrong.stdout
 
 
 @pytest.mark.timeout(300)

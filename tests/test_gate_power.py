@@ -1,10 +1,12 @@
-"""The gate's power on torch's own code: a regression in torch's transform is NEW against
-the shipped baseline of torch 2.13.0, even where it only shows in cases that also show a
-known fault (every DDP case loses the registry on 2.13: the gradient mutant's cases).
+"""The gate's power on torch's own code: a regression planted in torch's transform is NEW
+against torch 2.13.0, judged by replay on the unmutated release (the shipped memo, else a
+run of the case on torch 2.13.0 in this interpreter), even where it only shows in cases
+that also show a known fault (every DDP case loses the registry on 2.13: the gradient
+mutant's cases).
 
 The whole table (every mutant, the ci profile, both world sizes) is in docs/performance.md
 (bench/bench_mutation.py --torch); these are a few of its rows, each on the property that
-must catch it, at world size 2 with the ci profile's budget.
+must catch it, with the ci profile's budget.
 """
 
 import dataclasses
@@ -15,17 +17,27 @@ from tpdp_verify.properties import (checkpoint_resumes, chunk_tensor_metadata, e
                                     flatten_roundtrip, ignored_params_untouched, losses_train_like_one_device,
                                     miswiring_refused_or_exact, trains_like_one_device,
                                     trains_like_plain_ddp)
-from tpdp_verify.runner import baseline, profiles
-from tpdp_verify.runner.gate import check_property
+from tpdp_verify.runner import profiles
+from tpdp_verify.runner.baseline import Baseline
+from tpdp_verify.runner.gate import judged_search
 
 import torch_mutants
 
 
-def judged(outcome, prop):
-    """The outcome judged by the shipped baseline (listed cases not met again are taken to
-    fail as recorded: this test is about what the search finds)."""
-    listed = [k for k in baseline.load("torch-2.13.0")[1] if (k.property, k.world_size) == (prop.name, 2)]
-    return baseline.judge([outcome], listed, rerun=lambda entry: entry.signature)
+def judged(prop, pool, mutant):
+    """The mutant's search at ci (unshrunk: the search's power, not shrinking's), judged by
+    torch 2.13.0 on each failure's own case."""
+    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
+    release = Baseline("2.13.0", install=False)
+    assert not release.is_candidate(f"torch_mutants.{mutant.__name__}")  # judged by replay, not by itself
+    try:
+        return judged_search(prop, pool, f"torch_mutants.{mutant.__name__}", profile, release)
+    finally:
+        release.close()
+
+
+def new(outcome, part=None):
+    return [f for f in outcome.findings if f.status == "NEW" and (part is None or part in f.signature)]
 
 
 @pytest.mark.timeout(600)
@@ -39,8 +51,8 @@ def judged(outcome, prop):
     # 2.13 raises on uneven shards, or where FSDP's group is more than one rank
     (torch_mutants.ChunkBoxOffByOne, chunk_tensor_metadata,
      "raised:ValueError at torch/distributed/tensor/parallel/fsdp.py:chunk_tensor"),
-    # beside fault 15 (a KL loss's gradients under loss_parallel), in the regions of the
-    # losses that go through cross entropy's sharded backward
+    # beside fault 15 (a KL loss's gradients under loss_parallel), in the losses that go
+    # through cross entropy's sharded backward
     (torch_mutants.ParallelCrossEntropyGradScales, losses_train_like_one_device, "value:gradient"),
     # each rank's total norm left unreduced, where torch 2.13 clips exactly (FSDP2 over a plan
     # that shards every parameter over tp: the cover cases clip the MLP both ways, by 1e-2):
@@ -51,49 +63,29 @@ def judged(outcome, prop):
     (torch_mutants.AccumulatedGradReducedInParamDtype, trains_like_plain_ddp,
      "check:tp-sums-gradients-accumulated-over-microbatches-in-the-reduce-dtype"),
 ], ids=lambda v: getattr(v, "__name__", getattr(v, "name", v)))
-def test_a_regression_in_torch_is_new_against_the_shipped_baseline(tpdp_pools, mutant, prop, part):
-    from tpdp_verify.runner.property import region
-
-    profile = dataclasses.replace(profiles.get("ci"), shrink=False)  # the search's power, not shrinking's
-    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})  # as the gate judges
-    outcome = check_property(prop, tpdp_pools.get(2), f"torch_mutants.{mutant.__name__}", profile, known=regional)
-    j = judged(outcome, prop)
-    assert j.blocks and outcome.status == "diverges", outcome.findings
-    new = [k for k in j.new if part in k.signature]
-    assert new, [k.signature for k in j.new]
-    assert all(part not in regional.get(region(k.drawn()), set()) for k in new)  # else it could not be new there
-    assert all(f.replay for f in outcome.findings if f.status == "NEW")
+def test_a_regression_in_torch_is_new_against_the_release(tpdp_pools, mutant, prop, part):
+    outcome = judged(prop, tpdp_pools.get(2), mutant)
+    assert outcome.status == "diverges" and new(outcome, part), outcome.findings
+    assert all(f.replay for f in new(outcome))
 
 
 @pytest.mark.timeout(600)
 def test_a_gradient_fault_of_fsdp1_alone_is_new_where_another_entry_point_departs_in_gradients(tpdp_pools):
-    """torch 2.13 departs in gradients in some regions (replicate on the tied model, FSDP1 on
-    the tied, uneven and sequence-parallel models), so the shipped baseline records
-    value:gradient for the property, only there. A regression scaling FSDP1 + TP's gradients
-    by 1 + 1e-3 is NEW in FSDP1's other regions (issue 29)."""
-    from tpdp_verify.runner.property import region
-
-    mutant, prop = torch_mutants.FSDP1GradScales, entry_points_train_like_one_device
-    listed = baseline.load("torch-2.13.0")[1]
-    assert "value:gradient" in baseline.known_parts(listed)[prop.name]  # known somewhere: the union would hide it
-    regional = baseline.regional_parts(listed).get(prop.name, {})
-    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
-    outcome = check_property(prop, tpdp_pools.get(4), f"torch_mutants.{mutant.__name__}", profile, known=regional)
-    new = [f for f in outcome.findings if not f.status and "value:gradient" in f.signature]
-    assert new and all(f.drawn["case"].entry == "fsdp1" for f in new), outcome.findings
-    assert all("value:gradient" not in regional.get(region(f.drawn), set()) for f in new)
+    """torch 2.13 departs in gradients under some entry points (replicate on the tied model,
+    FSDP1 on the tied, uneven and sequence-parallel models); a regression scaling FSDP1 +
+    TP's gradients by 1 + 1e-3 is NEW on FSDP1's cases, where 2.13 keeps its gradients."""
+    outcome = judged(entry_points_train_like_one_device, tpdp_pools.get(4), torch_mutants.FSDP1GradScales)
+    found = new(outcome, "value:gradient")
+    assert found and all(f.drawn["case"].entry == "fsdp1" for f in found), outcome.findings
 
 
 @pytest.mark.timeout(600)
 def test_a_five_percent_gradient_fault_of_bfloat16_cases_alone_is_new(tpdp_pools):
     """A scaling of 1.05 is 6 units of a bfloat16's last place, inside the 32 of the max
     bound: the first step's gradients judged as whole tensors catch it (issue 29)."""
-    mutant, prop = torch_mutants.BFloat16GradScales, trains_like_one_device
-    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})
-    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
-    outcome = check_property(prop, tpdp_pools.get(2), f"torch_mutants.{mutant.__name__}", profile, known=regional)
-    new = [f for f in outcome.findings if not f.status and "value:gradient" in f.signature]
-    assert new and all(f.drawn["case"].dtype == "bfloat16" for f in new), outcome.findings
+    outcome = judged(trains_like_one_device, tpdp_pools.get(2), torch_mutants.BFloat16GradScales)
+    found = new(outcome, "value:gradient")
+    assert found and all(f.drawn["case"].dtype == "bfloat16" for f in found), outcome.findings
 
 
 @pytest.mark.timeout(600)
@@ -103,27 +95,18 @@ def test_gradients_one_percent_too_large_after_a_load_are_new(tpdp_pools):
     through the transform on torch 2.13), which the cover cases reach at dp x tp whatever
     the draw. DP alone resumes within an ulp at world size 4, which excuses only a departure
     no larger (issue 29)."""
-    from tpdp_verify.runner.property import region
-
-    mutant, prop = torch_mutants.LoadedGradScales, checkpoint_resumes
-    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})
-    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
-    outcome = check_property(prop, tpdp_pools.get(4), f"torch_mutants.{mutant.__name__}", profile, known=regional)
-    new = [f for f in outcome.findings if not f.status]
-    assert new and all(f.drawn["case"].entry == "fsdp1" and region(f.drawn).endswith("dp x tp") for f in new), \
-        outcome.findings
-    assert all(any("the-resumed" in p for p in f.signature) for f in new)
+    outcome = judged(checkpoint_resumes, tpdp_pools.get(4), torch_mutants.LoadedGradScales)
+    found = new(outcome)
+    assert found and all(f.drawn["case"].entry == "fsdp1" for f in found), outcome.findings
+    assert all(any("the-resumed" in p for p in f.signature) for f in found)
 
 
 @pytest.mark.timeout(600)
 def test_an_exception_before_the_first_step_that_is_not_a_refusal_is_new(tpdp_pools):
     """A miswired case is refused only by an error about the mesh or group; a regression
     that raises about anything else while wrapping is NEW (issue 29)."""
-    mutant, prop = torch_mutants.FlattenRefusesViews, miswiring_refused_or_exact
-    regional = baseline.regional_parts(baseline.load("torch-2.13.0")[1]).get(prop.name, {})
-    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
-    outcome = check_property(prop, tpdp_pools.get(4), f"torch_mutants.{mutant.__name__}", profile, known=regional)
-    new = [f for f in outcome.findings if not f.status]
-    assert new and all("check:refuses-a-miswiring-before-training-or-trains-exactly" in f.signature for f in new), \
-        outcome.findings
-    assert all("contiguous local tensor" in f.failure for f in new)
+    outcome = judged(miswiring_refused_or_exact, tpdp_pools.get(4), torch_mutants.FlattenRefusesViews)
+    found = new(outcome)
+    assert found and all("check:refuses-a-miswiring-before-training-or-trains-exactly" in f.signature
+                         for f in found), outcome.findings
+    assert all("contiguous local tensor" in f.failure for f in found)

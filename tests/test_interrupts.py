@@ -62,11 +62,10 @@ def _stop(proc: subprocess.Popen, sig: int) -> tuple[str, str, list[int], dict]:
 def test_an_interrupted_gate_writes_what_it_judged_marks_the_rest_and_stops_its_ranks(tmp_path, sig, code):
     name = signal.Signals(sig).name
     files = {fmt: tmp_path / f"gate.{fmt}" for fmt in ("json", "junit", "markdown")}
-    learning = sig == signal.SIGTERM  # and --update-baseline writes nothing from an interrupted run
-    previous = tmp_path / "known.json"
-    previous.write_text("the previous baseline\n")
+    judging = sig == signal.SIGTERM  # and the memo keeps what was asked, whole
+    memo = tmp_path / "memo.json"
     proc = _start("gate", "--profile", "smoke", *(a for fmt, path in files.items() for a in (f"--{fmt}", str(path))),
-                  *(("--baseline", str(previous), "--update-baseline") if learning else ()))
+                  *(("--baseline", "torch==2.13.0", "--memo", str(memo)) if judging else ()))
     start = time.monotonic()
     for line in proc.stdout:  # line by line, as it comes
         if FIRST_SEARCH.match(line):
@@ -80,8 +79,7 @@ def test_an_interrupted_gate_writes_what_it_judged_marks_the_rest_and_stops_its_
     assert "Traceback" not in err + out
     assert wait_gone(tree) == []  # the ranks, their fork server: nothing outlives the gate
     assert outside == {}  # and nothing listened beyond the loopback interface meanwhile
-    assert previous.read_text() == "the previous baseline\n"
-    assert (not learning) or "left as it was" in err
+    assert not memo.exists() or isinstance(json.loads(memo.read_text())["asked"], list)
 
     record = json.loads(files["json"].read_text())
     todo = [(p.name, ws) for p, ws in searches(ALL, profiles.get("smoke"))]
@@ -286,6 +284,21 @@ def test_the_interrupt_behind_an_error_is_found_however_it_was_chained():
         raise RuntimeError("the harness") from ValueError("no signal")
     except RuntimeError as harness:
         assert interrupts.within(harness) is None
+
+
+def test_the_walk_is_total_over_whatever_an_error_carries_as_its_exceptions():
+    """RankFailed holds its ranks' exceptions by rank (a dict of ints), a library may hold
+    anything: the walk looks at exceptions only, and finds the interrupt among them."""
+    from tpdp_verify.errors import RankFailed
+
+    for carried in ({0: ValueError(), 1: Interrupted(signal.SIGTERM)}, [3, "x", Interrupted(signal.SIGTERM)]):
+        error = RankFailed.__new__(RankFailed)
+        error.exceptions = carried
+        assert interrupts.within(error).name == "SIGTERM", carried
+    for odd in ({0: 1, 1: 2}, 7, None, "text"):
+        error = RuntimeError("the harness")
+        error.exceptions = odd
+        assert interrupts.within(error) is None, odd
 
 
 def test_an_error_with_no_link_to_the_signal_this_process_received_is_the_interrupt(request):

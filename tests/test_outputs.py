@@ -43,7 +43,7 @@ def test_json_counts_and_keys():
     assert list(data["properties"][0]) == ["name", "world_size", "backend", "status", "drawn", "wanted",
                                            "drew_fewer", "stopped_because", "covered", "known_only",
                                            "examples", "passed", "discarded", "seconds", "unshrunk",
-                                           "shrink_seconds", "replays", "replay_seconds", "known_by_parts_shown",
+                                           "shrink_seconds", "not_asked", "reran", "not_rerun",
                                            "died_after_other_cases", "rank_output", "message", "findings", "report"]
     assert data["shrink_total"] == profiles.get("ci").shrink_total
     finding = data["properties"][1]["findings"][0]

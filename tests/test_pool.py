@@ -338,8 +338,8 @@ def test_a_death_that_only_the_ranks_history_causes_is_judged_on_fresh_ranks(poo
 
     history: list = []
     pool.run(rank_fns.dies_after_another_run, 1)  # these ranks have run it now
-    on_fresh_ranks(pool.run, rank_fns.dies_after_another_run, 1, history=history)
+    on_fresh_ranks(lambda: pool.run(rank_fns.dies_after_another_run, 1), history=history)
     assert len(history) == 1 and "rank 1 of 4 was killed by SIGSEGV" in history[0][0]
     with pytest.raises(RankDied):  # dies on fresh ranks too: its own death
-        on_fresh_ranks(pool.run, rank_fns.die_on, 2, "segfault", history=history)
+        on_fresh_ranks(lambda: pool.run(rank_fns.die_on, 2, "segfault"), history=history)
     assert len(history) == 1

@@ -166,7 +166,7 @@ def test_a_part_missing_twice_or_of_another_run_is_an_error(toy_parts, tmp_path)
     assert out.returncode == 2 and "are parts of different runs (seed: 7 and None)" in out.stderr, out.stderr
 
 
-SMOKE = ("--profile", "smoke", "--baseline", "torch-2.13.0")
+SMOKE = ("--profile", "smoke", "--baseline", "torch==2.13.0")
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_the_suite_as_pytest_items_over_two_workers_gives_the_gates_verdicts(smo
     """pytest --pyargs tpdp_verify.properties -n 2: an item per search, passing exactly
     where the gate's search passes or holds only known faults."""
     items = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "tpdp_verify.properties", "-p",
-                            "no:cacheprovider", "--tpdp-profile", "smoke", "--tpdp-baseline", "torch-2.13.0", "-n", "2",
+                            "no:cacheprovider", "--tpdp-profile", "smoke", "--tpdp-baseline", "torch==2.13.0", "-n", "2",
                             "--junitxml", "items.xml", "-q"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert items.returncode == 0, items.stdout[-3000:] + items.stderr[-2000:]
     verdicts = {f"{p['name']}[world_size={p['world_size']}]": p["status"] in ("pass", "known")

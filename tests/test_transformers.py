@@ -48,7 +48,7 @@ def test_a_transformers_model_with_its_own_plan_passes_under_fsdp2(pool, model_f
 
 @pytest.mark.parametrize("model_fn", [hm.make_llama, hm.make_qwen2], ids=["llama", "qwen2"])
 def test_the_known_registry_fault_under_ddp_with_a_mesh_is_labelled_known(pool, model_fn):
-    report = verify(model_fn, dp="ddp_mesh", pool=pool, baseline="torch-2.13.0")
+    report = verify(model_fn, dp="ddp_mesh", pool=pool, baseline="torch==2.13.0")
     assert report.status == "KNOWN", str(report)
     assert "parameters stay registered in order (vs one device): docs/known-divergences.md#" in str(report)
     assert "'model.layers.0.self_attn.q_proj.weight'" in str(report)
@@ -99,8 +99,8 @@ def test_from_the_shell_with_no_wrapper(tmp_path):
     assert passes.returncode == 0, passes.stdout + passes.stderr
     assert "hf_models:make_llama with TP on mesh (dp=2, tp=2), dp=fsdp2, 1 step, float32: PASS" in passes.stdout
     assert json.loads((tmp_path / "r.json").read_text())["outputs_not_compared"][0].startswith("loss")
-    known = cli("--plan", "auto", "--dp", "ddp_mesh", "--baseline", "torch-2.13.0")
-    assert known.returncode == 0 and "PASS but for known torch faults (torch-2.13.0)" in known.stdout, known.stdout
+    known = cli("--plan", "auto", "--dp", "ddp_mesh", "--baseline", "torch==2.13.0")
+    assert known.returncode == 0 and "PASS but for known torch faults (torch==2.13.0)" in known.stdout, known.stdout
     wrong = cli("--plan", "hf_models:WRONG_O_PROJ", "--dp", "fsdp2")
     assert wrong.returncode == 1 and "in the forward of model.layers.0.self_attn.o_proj" in wrong.stdout
     assert "Traceback" not in wrong.stdout + wrong.stderr

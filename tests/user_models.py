@@ -281,3 +281,37 @@ def parallelize_spmd_undivided(model, mesh):
     """The same with the gradient divide factor 1, the workaround of torch 2.13's 1/dp
     (docs/known-divergences.md, fault 17): exact for the replicating form on gloo."""
     return _on_the_whole_mesh(model, mesh, 1.0)
+
+
+def llama_blocks(tp_mesh):
+    """torchtitan's plan for a Llama's blocks: attention and feed-forward, no vocab-sharded head."""
+    from tpdp_verify.fixtures import plans
+
+    return plans.llama_block("layers.0.")
+
+
+def make_fixed_heads_llama():
+    """make_llama with a port's mistake: its attention splits the projections into the
+    config's head count (``view(n, seq, heads, -1)``) instead of the heads a rank holds. On
+    one device the same model; under ColwiseParallel each rank splits its half of the
+    columns into all the heads: silently other attention, a plan and model that disagree."""
+    import torch.nn.functional as F
+
+    from tpdp_verify.fixtures.models import Attention
+
+    class FixedHeads(Attention):
+        def __init__(self, dim, heads, seq):
+            super().__init__(dim, heads, seq)
+            self.heads = heads
+
+        def forward(self, x):
+            n, seq, _ = x.shape
+            q, k, v = (w(x).view(n, seq, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(out.transpose(1, 2).reshape(n, seq, -1))
+
+    model = make_llama()
+    for layer in model.layers:
+        layer.attention = FixedHeads(8, 2, 4)
+    return model
+

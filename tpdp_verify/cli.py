@@ -1,5 +1,5 @@
 """``tpdp-verify``: the command line. A subparser and a ``_<command>(args)`` each; exit codes
-(docs/cli.md): 0 ok, 1 divergence, 2 usage, 3 infrastructure; 130 and 143 interrupted by
+(docs/cli.md): 0 ok, 1 divergence, 2 usage, 3 infrastructure, 4 not asked of the baseline; 130 and 143 interrupted by
 SIGINT and SIGTERM, after the gate and plan have written their outputs (marked interrupted)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from tpdp_verify import torch_release
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 divergence found, 2 usage or input error, "
         "3 infrastructure failure (the harness: ranks would not start, an internal error; "
         "ranks that crash or hang in the code under test are a divergence), "
+        "4 no verdict on some failures (the baseline release could not be asked about them), "
         "130 and 143 interrupted by SIGINT and SIGTERM (the outputs written, marked interrupted)",
     )
     parser.add_argument("--version", action="version", version=_version())
@@ -40,19 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     gate.add_argument("--timeout", type=float, default=120.0,
                       help="seconds one check may take before its ranks count as hung")
-    gate.add_argument("--baseline", metavar="FILE",
-                      help="known divergences (a file, or a shipped name such as torch-2.13.0): exit 1 "
-                      "only on new ones or known ones that changed")
+    gate.add_argument("--baseline", metavar="RELEASE",
+                      help="the torch release whose faults are known, as pip spells it (torch==2.13.0): a failure "
+                      "is known where that release fails the same way on the same case (its memo, else a replay "
+                      "there); exit 1 only on new or changed ones. docs/cli.md")
     gate.add_argument("--baseline-python", metavar="PATH",
-                      help="judge by replay: run each failure's case again, same case and seed, on the torch "
-                      "of the environment whose python this is (the previous release); known when it fails "
-                      "the same way there, NEW otherwise. No file needed; docs/cli.md")
-    gate.add_argument("--baseline-impl", metavar="IMPL",
-                      help="judge by replay on another implementation in this interpreter (torch, reference or "
-                      "a dotted path), as --baseline-python does on another torch")
-    gate.add_argument("--update-baseline", action="store_true",
-                      help="write this run's divergences to --baseline FILE as the known ones (each "
-                      "property searches on past every failure it finds, so this takes longer)")
+                      help="the python of an environment holding the baseline release, to replay cases its memo "
+                      "lacks (default: this interpreter where its torch is that release, else one installed "
+                      "once into the cache)")
+    gate.add_argument("--no-install", action="store_true",
+                      help="never install the baseline release: a failure neither the memo nor this interpreter "
+                      "can answer is reported as not asked (exit 4)")
+    gate.add_argument("--memo", metavar="FILE", help="where this run adds what the baseline answered (default: "
+                      "the user's memo in the cache; tpdp-verify's shipped memo is read either way)")
     gate.add_argument("--suite", default="tpdp_verify.properties", metavar="MODULE",
                       help="the module whose ALL lists the properties to run (default: tpdp-verify's own)")
     gate.add_argument("--seed", type=int, help="draw other cases than the profile's fixed ones "
@@ -103,8 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     plan.add_argument("--loss-parallel", action="store_true", help="forward and loss under loss_parallel()")
     plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument("--baseline", metavar="FILE", help="known torch faults (a file, or a shipped name such "
-                      "as torch-2.13.0): departures it records for this --dp are labelled known, and pass")
+    plan.add_argument("--baseline", metavar="RELEASE", help="the torch release whose faults are known "
+                      "(torch==2.13.0): a departure the run itself shows to be torch's (the reference "
+                      "transform in torch's place does not show it) is labelled a torch fault, and passes; the "
+                      "rest are the plan's")
     plan.add_argument("--impl", default="torch",
                       help="implementation under test: torch, reference or a dotted path")
     plan.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
@@ -122,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("parts", nargs="+", metavar="PART.json")
     _output_options(merge, json="the whole run as JSON (the gate's keys, and `parts`)",
                     junit="the whole run as JUnit XML", markdown="the whole run as a Markdown table")
+
+    memo = commands.add_parser("memo", help="what a baseline release answered, as the gate remembers it",
+                               description="The answers the gate judges by: the shipped memo and the user's "
+                               "(docs/cli.md, \"Baselines\"), a line a search; -v: a line a case.")
+    memo.add_argument("--baseline", default="torch==2.13.0", metavar="RELEASE",
+                      help="the release whose answers to print (default: torch==2.13.0)")
+    memo.add_argument("--memo", metavar="FILE", help="a memo file of the gate's --memo, read as well")
+    memo.add_argument("-v", "--verbose", action="store_true", help="every case with its answer")
 
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
@@ -184,11 +196,8 @@ def _gate(args: argparse.Namespace) -> int:
         from tpdp_verify.runner.selection import parse
 
         parse(args.shard)
-    if args.update_baseline and not args.baseline:
-        raise UsageError("--update-baseline writes the file --baseline names: give --baseline FILE")
-    replaying = [f"--{o.replace('_', '-')}" for o in ("baseline", "baseline_python", "baseline_impl") if getattr(args, o)]
-    if len(replaying) > 1:
-        raise UsageError(f"{' and '.join(replaying)} are two baselines: give one (a file, or a side to replay on)")
+    if args.baseline_python and not args.baseline:
+        raise UsageError("--baseline-python runs the release --baseline names: give --baseline torch==X.Y.Z too")
     jobs = _jobs(args)
     if jobs > 1:
         return _gate_in_parts(args, files, jobs)
@@ -198,21 +207,19 @@ def _gate(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         return run.interrupted(exc)
     finally:
-        if run.side:
-            run.side.close(at_once=run.stopped)
+        if run.baseline:
+            run.baseline.close(at_once=run.stopped)
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    """How many parts at once: --jobs, else as the machine holds; one where the run is a
-    part already or writes a baseline (the parts would write one file at once)."""
+    """How many parts at once: --jobs, else as the machine holds; one where the run is a part already."""
     from tpdp_verify.runner.jobs import default_jobs
 
     if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"--jobs takes a positive number of parts, not {args.jobs}")
-    if args.jobs and args.jobs > 1 and (args.shard or args.update_baseline):
-        raise UsageError(f"--jobs runs parts at once, which {'--shard' if args.shard else '--update-baseline'} "
-                         "cannot take: give --jobs 1")
-    if args.shard or args.update_baseline:
+    if args.jobs and args.jobs > 1 and args.shard:
+        raise UsageError("--jobs runs parts at once, which --shard cannot take: give --jobs 1")
+    if args.shard:
         return 1
     return args.jobs or default_jobs(profiles.get(args.profile).world_sizes)
 
@@ -228,14 +235,15 @@ def _gate_in_parts(args: argparse.Namespace, files: dict[str, str], n: int) -> i
 
     impl_mod.load(args.impl)  # what a part would refuse, refused once, here, before any part starts
     if args.baseline:
-        baseline.load(args.baseline)
+        baseline.release_of(args.baseline)
     run = _GateRun(args, files)
     run.suite = load_suite(args.suite)
     _select(args, run)
     given = {"--profile": args.profile, "--impl": args.impl, "--backend": args.backend, "--timeout": args.timeout,
              "--suite": args.suite, "--seed": args.seed, "-k": args.keyword, "--baseline": args.baseline,
-             "--baseline-python": args.baseline_python, "--baseline-impl": args.baseline_impl}
+             "--baseline-python": args.baseline_python, "--memo": args.memo}
     gate_args = [x for option, value in given.items() if value is not None for x in (option, str(value))]
+    gate_args += ["--no-install"] * args.no_install
     print(f"{n} parts at once, each a gate process with its own ranks", flush=True)
     parts, stopped = jobs.run(gate_args + ["-v"] * args.verbose, n, lambda line: print(line, flush=True))
     merged = merge.merge(parts)
@@ -258,22 +266,21 @@ class _GateRun:
         self.args, self.files = args, files
         self.started, self.start = outputs.now(), time.monotonic()
         self.profile = profiles.get(args.profile)
-        self.suite = self.known = self.side = self.judged = None
+        self.suite = self.baseline = self.judged = None
         self.selected: set | None = None  # the searches -k and --shard leave, where given
         self.selection: dict | None = None  # and what they were chosen from, for merge
         self.outcomes: list = []
         self.during = "start-up"  # then search, baseline (judging by it), report
         self.last = self.start  # when the last search ended: the running one's start, or near it
         self.stopped = False  # by a signal
-        self.wrote_baseline = False
 
     def record(self, code: int, error: str = "", interrupted: dict | None = None) -> dict:
         from tpdp_verify import outputs
 
-        args, side = self.args, self.side
+        args = self.args
         return outputs.gate_record(self.outcomes, self.profile, args.impl, args.backend, time.monotonic() - self.start,
                                    code, self.started, error,
-                                   baseline=side.what if side else args.baseline if self.known else "",
+                                   baseline=self.baseline.name if self.baseline else "",
                                    judged=self.judged, excluded=self.suite.exclusion_records() if self.suite else [],
                                    seed=args.seed, interrupted=interrupted, selection=self.selection)
 
@@ -298,9 +305,7 @@ class _GateRun:
         said = f"interrupted by {exc.name} {where}: {done} of {len(todo)} searches judged"
         outputs.write(self.files, self.record(exc.exit_code, said, {"signal": exc.name, "during": self.during}))
         print(f"tpdp-verify: {said}" + (f", {len(left)} marked interrupted" if left else "")
-              + (f"; written to {', '.join(self.files.values())}" if self.files else "")
-              + (f"; {self.args.baseline} left as it was" if self.args.update_baseline and not self.wrote_baseline
-                 else ""), file=sys.stderr)
+              + (f"; written to {', '.join(self.files.values())}" if self.files else ""), file=sys.stderr)
         return exc.exit_code
 
 
@@ -309,48 +314,33 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
     from tpdp_verify.ranks import pool
 
     pool.warm_up()  # the ranks' torch imports while this process imports its own
-    from tpdp_verify.runner import baseline, replay
-    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, rerunner, summary
+    from tpdp_verify.runner import baseline
+    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, summary
     from tpdp_verify.runner.suite import load as load_suite
 
-    if args.baseline_impl:
-        run.side = replay.ImplSide(args.baseline_impl)
-    elif args.update_baseline:
-        outputs.check_writable({"--baseline": args.baseline})
-        run.known = baseline.recorded(args.baseline)  # merged: each draw meets only some faults
-    elif args.baseline:
-        run.known = baseline.load(args.baseline)  # a bad file fails now
-
-    profile, known = run.profile, run.known
+    profile = run.profile
     suite = run.suite = load_suite(args.suite)
     _select(args, run)
     logs = _quiet(args)
-    if args.baseline_python:
-        print(f"baseline: starting {args.baseline_python}", flush=True)
-        run.side = replay.PythonSide(args.baseline_python, args.suite, args.backend, args.timeout, logs)
-    side, budget = run.side, replay.Budget(profile.replay_total)
+    progress = lambda line: print(line, flush=True)  # noqa: E731
+    if args.baseline:
+        run.baseline = baseline.Baseline(baseline.release_of(args.baseline), python=args.baseline_python,
+                                         install=not args.no_install, memo_path=_memo_path(args),
+                                         suite=args.suite, backend=args.backend, timeout=args.timeout,
+                                         rank_output=logs, progress=progress)
+        if args.baseline_python:
+            run.baseline.side()  # the environment the user named: a bad one is one line now, not mid-run
     files = run.files
     run.started, run.start = outputs.now(), time.monotonic()  # the run's seconds: from its first rank on
     start = run.last = run.start
     try:
         run.during = "search"
-        searches = iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout,
-                             progress=lambda line: print(line, flush=True),
-                             known=baseline.regional_parts(known[1]) if known else None,
-                             learn=args.update_baseline, seed=args.seed, rank_output=logs,
-                             judge=(lambda prop, pool, stats: replay.Replayed(side, prop, pool, stats, budget))
-                             if side else None, selected=run.selected)
+        searches = iter_gate(suite.properties, profile, args.impl, args.backend, args.timeout, progress=progress,
+                             baseline=run.baseline, seed=args.seed, rank_output=logs, selected=run.selected)
         with contextlib.closing(searches):  # an interrupt between searches: the ranks stop now, not at exit
             for outcome in searches:
                 run.searched(outcome)
-        run.during = "baseline"
-        if known:
-            with rerunner(suite.properties, args.impl, args.backend, args.timeout, logs) as rerun:
-                # learning reruns every entry: one not rerun could not be kept as still failing
-                run.judged = baseline.judge(run.outcomes, known[1], rerun,
-                                            math.inf if args.update_baseline else profile.rerun_total, args.timeout)
-        elif side:
-            run.judged = replay.judge(run.outcomes)
+        run.judged = baseline.Judgement.of(run.outcomes) if run.baseline else None
     except PoolError as exc:  # ranks would not start: CI still gets what ran, and why not the rest
         outputs.write(files, run.record(EXIT_INFRA, str(exc)))
         raise
@@ -366,19 +356,14 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
     code = exit_code(outcomes)
     if judged is not None:
         print()
-        print(baseline.judgement_report(judged, known[0], args.baseline, args.update_baseline) if known else
-              baseline.judgement_report(judged, {}, "", title=f"baseline {side.what}: each failure's case replayed "
-                                        "there; known when it fails the same way"))
-    if args.update_baseline and code != EXIT_INFRA:
-        unmet = judged.not_run + judged.not_rerun if judged else ()  # kept as recorded
-        count = baseline.write(args.baseline, outcomes, profile.name, args.impl, unmet)
-        run.wrote_baseline = True
-        kept = f" (its recorded cases kept where they still fail, {len(judged.fixed)} fixed dropped)" if judged else ""
-        print(f"\nwrote {count} known divergences to {args.baseline}{kept}")
-        code = EXIT_OK
+        print(baseline.report(judged, run.baseline.name, run.baseline.asking, run.baseline.unavailable))
     outputs.write(files, run.record(code))  # with divergences too: they are what CI shows
     _said_where(logs)
     return code
+
+
+def _memo_path(args: argparse.Namespace) -> Path | None:
+    return Path(args.memo) if args.memo else None
 
 
 def _select(args: argparse.Namespace, run: _GateRun) -> None:
@@ -520,7 +505,29 @@ def _merge(args: argparse.Namespace) -> int:
     return merged["exit_code"]
 
 
-COMMANDS = {"gate": _gate, "plan": _plan, "merge": _merge, "env": _env}
+def _memo(args: argparse.Namespace) -> int:
+    from tpdp_verify.runner import memo
+    from tpdp_verify.runner.baseline import release_of
+
+    release = release_of(args.baseline)
+    paths = [memo.shipped(release), memo.users(release), *([Path(args.memo)] if args.memo else [])]
+    held = memo.Memo.load(release, paths)
+    print(f"torch {release}: {len(held.answers)} cases asked (memo revision {memo.HARNESS}), from "
+          + ", ".join(f"{p} ({len(memo.read(p, release))})" for p in paths))
+    searches: dict = {}
+    for asked in held.answers.values():
+        searches.setdefault((asked.property, asked.world_size), []).append(asked)
+    for (prop, world_size), answers in sorted(searches.items()):
+        failing = [a for a in answers if a.signature]
+        print(f"  {prop:<38} world {world_size}  {len(answers):>5} asked, {len(failing):>5} fail there, "
+              f"{len({a.signature for a in failing})} ways")
+        for a in answers if args.verbose else ():
+            said = " + ".join(a.signature) or "passes"
+            print(f"      {said}: " + ", ".join(f"{k}={v}" for k, v in a.case.items()))
+    return EXIT_OK
+
+
+COMMANDS = {"gate": _gate, "plan": _plan, "merge": _merge, "memo": _memo, "env": _env}
 
 
 def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -533,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT and SIGTERM raise Interrupted (once): gate and plan write what they judged
         with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
             warnings.showwarning = _one_line
-            if args.command not in ("env", "merge"):  # env says what this machine has, torch too old or not
+            if args.command not in ("env", "merge", "memo"):  # env says what this machine has, torch too old or not
                 torch_release.check()
             return COMMANDS[args.command](args)
     except UsageError as exc:

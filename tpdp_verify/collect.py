@@ -1,8 +1,8 @@
 """The conformance suite as pytest items: ``pytest --pyargs tpdp_verify.properties``.
 
 One item per property and world size of the profile (``trains_like_one_device[world_size=2]``),
-run by the gate's own runner: the same search (``check_property``), judged by the same
-baseline (``baseline.judge`` over the whole file, as the gate judges), reported with
+run by the gate's own runner: the same sequence (``judged_search``: the search, each
+failure judged by the baseline release on its case, the memo's cases rerun), reported with
 the same text, signature and replay. An item passes, passes with its known faults listed
 (``known`` in its JUnit properties), or fails with the report the CLI prints. Each pytest
 process (a pytest-xdist worker too) keeps its own pools, one per world size, so ``-k``,
@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import importlib.util
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -78,7 +77,7 @@ class Search(pytest.Item):
         known = [f.kind for f in outcome.findings if f.status == "known"]
         if known:
             self.user_properties.append(("known", "; ".join(known)))
-        if outcome.status not in ("pass", "known"):
+        if outcome.status not in ("pass", "known") or any(f.status == "not asked" for f in outcome.findings):
             raise SearchFailed(outcome)
 
     def repr_failure(self, excinfo, style=None):
@@ -107,8 +106,14 @@ class SuiteRun:
         self.profile = dataclasses.replace(self.profile, seed=int(seed)) if seed else self.profile
         self.shard = shard and "{}/{}".format(*selection.parse(shard))  # refused now, not at collection
         self.impl, self.backend, self.timeout, self.baseline = impl, backend, float(timeout), baseline
+        if baseline:
+            from tpdp_verify.runner.baseline import release_of
+
+            release_of(baseline)  # refused now, not at the first search
         self.rank_output = rank_output
-        self.shrunk = self.reran = 0.0
+        from tpdp_verify.runner.gate import Spent
+
+        self.spent = Spent()  # the profile's shrinking and rerun budgets, over this process's searches
 
     @functools.cached_property
     def pools(self):
@@ -118,27 +123,20 @@ class SuiteRun:
                      else None)
 
     @functools.cached_property
-    def entries(self):
-        from tpdp_verify.runner import baseline
+    def judge(self):
+        """The baseline release, where one is named: its memo, and its side started on first use."""
+        from tpdp_verify.runner.baseline import Baseline, release_of
 
-        return baseline.load(self.baseline)[1] if self.baseline else None
+        return Baseline(release_of(self.baseline), backend=self.backend, timeout=self.timeout) if self.baseline \
+            else None
 
     def search(self, prop, world_size: int):
-        from tpdp_verify.runner import baseline
-        from tpdp_verify.runner.gate import check_property, rerunner
+        from tpdp_verify.runner.gate import judged_search
 
-        profile = self.profile.with_shrinking_left(self.profile.shrink_total - self.shrunk)
-        known = None if self.entries is None else baseline.regional_parts(self.entries).get(prop.name, {})
-        outcome = check_property(prop, self.pools.get(world_size), self.impl, profile, known=known)
-        self.shrunk += outcome.stats.shrink_seconds
-        if self.entries is not None:  # the whole file, as the gate judges: what one world size recorded in a
-            start = time.monotonic()  # region is known at the others too; the others' entries are "not run" here
-            with rerunner((prop,), self.impl, self.backend, self.timeout) as rerun:
-                baseline.judge([outcome], self.entries, rerun, max(0.0, self.profile.rerun_total - self.reran),
-                               self.timeout)
-            self.reran += time.monotonic() - start
-        return outcome
+        return judged_search(prop, self.pools.get(world_size), self.impl, self.profile, self.judge, self.spent)
 
     def close(self) -> None:
         if "pools" in self.__dict__:
             self.pools.close()
+        if self.__dict__.get("judge") is not None:
+            self.judge.close()

@@ -12,6 +12,7 @@ EXIT_OK = 0
 EXIT_DIVERGENCE = 1
 EXIT_USAGE = 2
 EXIT_INFRA = 3
+EXIT_NOT_ASKED = 4
 
 
 class UsageError(ValueError):

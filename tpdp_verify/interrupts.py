@@ -46,13 +46,24 @@ def within(exc: BaseException) -> Interrupted | None:
     pending = [exc]
     while pending:
         exc = pending.pop()
-        if exc is None or id(exc) in seen:
+        if not isinstance(exc, BaseException) or id(exc) in seen:
             continue
         if isinstance(exc, Interrupted):
             return exc
         seen.add(id(exc))
-        pending += [exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())]
+        pending += [exc.__cause__, exc.__context__, *_held(getattr(exc, "exceptions", ()))]
     return _received
+
+
+def _held(exceptions) -> list[BaseException]:
+    """The exceptions an error carries, whatever holds them: a group's tuple, RankFailed's
+    dict by rank, anything else a library sets (nothing there is walked but exceptions)."""
+    if isinstance(exceptions, dict):
+        exceptions = exceptions.values()
+    try:
+        return [e for e in exceptions if isinstance(e, BaseException)]
+    except TypeError:  # not iterable
+        return []
 
 
 def _at_once(signum: int, frame) -> None:

@@ -90,7 +90,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 selection: dict | None = None) -> dict:
     """The gate's run as plain data: the header, the counts and one entry per outcome.
 
-    With a baseline each finding carries its status (NEW, CHANGED, known, FIXED): the exit
+    With a baseline each finding carries its status (NEW, CHANGED, known, FIXED, not asked): the exit
     code, the JUnit failures and the Markdown table all follow from those statuses.
     ``interrupted``: for a run a signal stopped, ``{"signal", "during"}``; the searches it left
     are outcomes of status "interrupted", listed again under its "not_run". ``selection``:
@@ -144,9 +144,9 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 "seconds": round(o.seconds, 3),
                 "unshrunk": o.unshrunk,
                 "shrink_seconds": round(o.stats.shrink_seconds, 3),
-                "replays": o.stats.replays,
-                "replay_seconds": round(o.stats.replay_seconds, 3),
-                "known_by_parts_shown": o.stats.by_parts,
+                "not_asked": o.stats.not_asked,
+                "reran": o.stats.reran,
+                "not_rerun": o.stats.not_rerun,
                 "died_after_other_cases": [{"failure": text, "case": {k: repr(v) for k, v in drawn.items()}}
                                            for text, drawn in o.stats.history],
                 "rank_output": o.rank_output or None,
@@ -165,8 +165,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
 def _judgement(name: str, judged) -> dict | None:
     if not name or judged is None:
         return None
-    return {"name": name, "blocks": judged.blocks,
-            **{k: len(getattr(judged, k)) for k in ("new", "changed", "fixed", "known", "not_run", "not_rerun")}}
+    return {"name": name, "blocks": judged.blocks, **judged.counts()}
 
 
 def to_json(record: dict) -> str:

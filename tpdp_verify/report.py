@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from tpdp_verify.cases import mesh_text
 from tpdp_verify.cases.training import DP, TrainCase
 from tpdp_verify.judging.verdict import Row, Verdict, on_ranks
-from tpdp_verify.runner.baseline import anchor
 from tpdp_verify.signature import describe
 
 # The checks of a report, in the order a reader asks about them; those marked True must
@@ -115,7 +114,7 @@ class Report:
     plain_ddp: Verdict
     replay: str
     # with a baseline: its name, and per oracle ("one device", "plain DDP") each signature
-    # part it records for this DP entry point -> the entry that explains it
+    # part the run showed to be torch's -> the evidence (tpdp_verify.plan.verify._torch_faults)
     baseline: str = ""
     known: dict = field(default_factory=dict)
 
@@ -156,8 +155,8 @@ class Report:
 
     @property
     def status(self) -> str:
-        """PASS; KNOWN: every departure is a fault the baseline records for this DP entry
-        point (and every check compared something); else DIVERGES."""
+        """PASS; KNOWN: the run shows every departure to be torch's (and every check compared
+        something); else DIVERGES: the plan departs."""
         if all(line.ok for line in self.lines):
             return "PASS"
         vacuous = any(line.cell(self._reached) == ("FAIL", "compared nothing") for line in self.lines)
@@ -182,11 +181,11 @@ class Report:
         known, new = self._parts(known=True), self._parts(known=False)
         if not known:
             return []
-        out = ["", f"known torch faults ({self.baseline}), not the plan's: each entry says what the fault is and "
-                   "how to avoid or work around it"]
-        out += [f"  {describe(p)} (vs {against}): {anchor(self.known[against][p])}" for against, p in known]
+        out = ["", "torch's faults, not the plan's: the run shows each to be torch's "
+                   "(docs/known-divergences.md says how to avoid them)"]
+        out += [f"  {describe(p)} (vs {against}): {self.known[against][p]}" for against, p in known]
         if new:
-            out += ["beyond them, departures the baseline does not know: "
+            out += ["the plan's departures (the run does not show them to be torch's): "
                     + ", ".join(f"{describe(p)} (vs {against})" for against, p in new)]
         return out
 
@@ -241,7 +240,7 @@ class Report:
             "ok": self.ok,
             "status": self.status,
             "baseline": self.baseline or None,
-            "known": [{"against": a, "part": p, "entry": anchor(self.known[a][p])} for a, p in self._parts(True)],
+            "known": [{"against": a, "part": p, "evidence": self.known[a][p]} for a, p in self._parts(True)],
             "new": [{"against": a, "part": p} for a, p in self._parts(False)] if self.baseline else [],
             "case": {"model": c.model, "mesh": list(c.mesh_shape), "dp": c.entry, "steps": c.steps,
                      "accumulate": c.accumulate, "batch": c.global_batch, "dtype": c.dtype, "seed": c.seed},

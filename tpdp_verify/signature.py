@@ -1,4 +1,5 @@
-"""What a failure consists of, as stable parts: the identity a baseline records.
+"""What a failure consists of, as stable parts: its identity, by which the baseline release's
+answer on the same case is compared (tpdp_verify.runner.baseline).
 
 A verdict's signature is the set of everything that failed in it, not only the first
 thing: each failed check by its identifier (``check:parameters-stay-registered-in-order``),
@@ -10,8 +11,8 @@ died by its signal (``crash:SIGABRT``), ranks that hung (``hang``).
 
 Parts name no rank, no step, no parameter and no number, and a check's identifier is its
 name, never its message (the ``detail``, which says what was seen and may be reworded):
-the same fault gives the same parts on every case it shows in, and a fault that adds
-anything gives a part no baseline of the old faults holds.
+the same fault gives the same parts on every case it shows in and on either release, and
+a fault that adds anything gives a part the old release does not show on that case.
 """
 
 from __future__ import annotations
@@ -73,12 +74,6 @@ def name(part: str) -> str:
     if head == "crash":
         return "Crash" + rest
     return "".join(w[:1].upper() + w[1:] for w in re.findall(r"[A-Za-z0-9]+", describe(part)))
-
-
-def known(signature: Signature, recorded: set[str]) -> bool:
-    """A failure is known when every part of it is recorded for its property; anything
-    more or other is new."""
-    return bool(signature) and set(signature) <= recorded
 
 
 # --------------------------------------------------------------------------- exceptions

@@ -52,10 +52,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     the whole mesh with ``dp_mesh_dims``, the parameters DTensors on it and the batches
     DTensors sharded on dp (the plain-DP run is then that program without fully_shard).
     Runs on ``pool`` if given (its
-    world size must be dp * tp), else on a pool of its own. ``baseline`` (a file or a shipped
-    name such as "torch-2.13.0"): departures that are faults it records for this DP entry
-    point are labelled known, with their entry in docs/known-divergences.md, and the
-    report passes (status KNOWN) when nothing else departs. ``rank_output``: a directory for
+    world size must be dp * tp), else on a pool of its own. ``baseline`` (a torch release,
+    "torch==2.13.0"): a departure the run itself shows to be torch's is labelled a torch
+    fault, and the report passes (status KNOWN) when nothing else departs. The evidence is
+    the same case run again with tpdp-verify's reference transform in torch's place: a part
+    that run does not show is torch's; every other departure is the plan's. ``rank_output``: a directory for
     the ranks' stdout and stderr (torch's warnings, C++ logs), else the terminal.
 
     Every callable must be importable by name (module level): the ranks are other processes.
@@ -72,7 +73,10 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
                      parallelize_fn=parallelize_fn)
-    known = _known_faults(baseline, case) if baseline else {}
+    if baseline:
+        from tpdp_verify.runner.baseline import release_of
+
+        release_of(baseline)  # a bad name: one line, before any rank starts
     case = check_inputs(case)
     world = case.dp * case.tp
     if pool is not None and pool.world_size != world:
@@ -96,11 +100,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         plain = Verdict(against="plain DDP") if case.entry == "own" else verdict_plain_ddp(pool, impl, case)
     except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
         one, plain = _did_not_finish(exc), Verdict(against="plain DDP")
+    try:
+        known = _torch_faults(pool, case, one, plain) if baseline and impl == "torch" else {}
     finally:
         if owned:
             pool.close()
-    if case.entry == "own":
-        known = _known_faults(baseline, case, entry, spmd) if baseline else {}
     form = dataclasses.replace(case, entry=entry, dp_mesh_dims=spmd).dp_form
     detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
         if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({form})"
@@ -111,23 +115,28 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
 OWN_DP = "parallelize_fn wraps DP itself (dp='own'), so there is no run without TP to compare with"
 
 
-# The suite's training properties whose known faults a user's run can show, per oracle.
-_TRAINING = {"one device": ("trains_like_one_device", "entry_points_train_like_one_device",
-                            "large_dp_trains_like_one_device"),
-             "plain DDP": ("trains_like_plain_ddp", "large_dp_trains_like_plain_dp")}
+REFERENCE = "with tpdp-verify's reference transform in torch's place, the same run does not show it"
 
 
-def _known_faults(name: str, case: TrainCase, entry: str | None = None, spmd: str | None = None) -> dict:
-    """The known faults a user's run through the case's entry point (``entry``, and ``spmd``
-    how it sees the mesh, where the user's function chose them), in its form and on a mesh of
-    its kind, can show."""
-    from tpdp_verify.runner import baseline
+def _torch_faults(pool, case: TrainCase, one, plain) -> dict:
+    """Per oracle, each part of a departure that the run itself shows to be torch's -> why:
+    the same case with the reference transform (tpdp_verify.impls) in torch's place does not
+    show it. A part the reference run shows too is the plan's; so is everything where that
+    run could not be made."""
+    from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 
-    _, entries = baseline.load(name)  # a bad name or file: one line, before any rank starts
-    form = dataclasses.replace(case, entry=entry or case.entry,
-                               dp_mesh_dims=case.dp_mesh_dims if spmd is None else spmd).dp_form
-    return {against: baseline.training_parts(entries, props, form, case.mesh_shape)
-            for against, props in _TRAINING.items()}
+    runs = {"one device": (one, lambda: verdict_one_device(pool, "reference", case, lambda sig: False)),
+            "plain DDP": (plain, lambda: verdict_plain_ddp(pool, "reference", case))}
+    out: dict = {}
+    for against, (verdict, again) in runs.items():
+        if verdict.ok or not verdict.signature:
+            continue
+        try:
+            reference = again()
+        except (PoolError, RankFailed):
+            continue
+        out[against] = {p: REFERENCE for p in verdict.signature if p not in reference.signature}
+    return out
 
 
 def _did_not_finish(exc: BaseException):

@@ -1,354 +1,238 @@
-"""Known divergences: a gate run judged against a recorded baseline.
+"""Known means the baseline release shows the same failure on the same case.
 
-A baseline (JSON) lists the divergences a torch build is known to have. Each entry gives
-the property, the world size, the signature of the failure (tpdp_verify.signature: every
-check that failed, the kind of value that departed first, an exception's type and frame,
-a crash's signal) and the shrunk case that shows it.
+``Baseline`` answers "what does release R show on this case?": from the memo where it was
+asked before (tpdp_verify.runner.memo), else by running the case there (replay: another
+environment's python, or this one's where it holds that very release), and remembers the
+answer. A failure of the candidate is then judged against that answer (``status``):
 
-With a baseline, each property's search counts an example whose every failure part the
-baseline records for that property in the example's region (its DP entry point, model and
-mesh kind: tpdp_verify.runner.property.region) as **known**, and goes on drawing; a failure
-with a part the baseline does not record there is **NEW**, shrunk and replayed. Each
-recorded case the search did not meet again is judged so:
+- **known**: the release shows every part of it on the case;
+- **NEW**: the release passes the case, or shows all it shows and the candidate more;
+- **CHANGED**: the release fails the case otherwise (a different error, other checks);
+- **not asked**: no memo holds the case and no environment of the release could run it.
+  Never NEW and never known: the run says so, and exits 4.
 
-- if every part of its signature shows in the run's failures of that property, world size
-  and region (in other combinations), it is **known** without a rerun;
-- if it fails the same way (or only in other known ways), it is **known**;
-- if it fails with a part the baseline does not record, it **CHANGED**;
-- if it passes, it is **FIXED**.
-
-New and changed divergences block a release (exit 1); known and fixed ones do not.
+After a search, the memo's failing cases of that search are run on the candidate (those the
+search met are not run again): one that passes now is **FIXED**, one that fails otherwise
+**CHANGED**. Reruns are bounded by the profile; those left are counted and said.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import json
-import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tpdp_verify import signature
 from tpdp_verify.errors import UsageError
-from tpdp_verify.files import write_whole
-
-SCHEMA = 2
-SHIPPED = Path(__file__).parent.parent / "baselines"  # baselines the project ships, by name
+from tpdp_verify.runner import memo as memos
 
 
-@dataclass(frozen=True)
-class Known:
-    """A divergence a baseline lists."""
-
-    property: str
-    world_size: int
-    signature: signature.Signature
-    case: dict = field(hash=False)  # argument name -> repr of the shrunk value
-    types: tuple = field(default=(), hash=False)  # "module:qualname" of the classes in the case
-    summary: str = field(default="", hash=False)  # the failure's first line, for readers
-
-    @property
-    def key(self) -> tuple[str, int, str, signature.Signature]:
-        return self.property, self.world_size, self.region, self.signature
-
-    @functools.cached_property
-    def region(self) -> str:
-        """Where its case lies (tpdp_verify.runner.property.region): its parts are known there."""
-        from tpdp_verify.runner.property import region
-
-        return region(self.drawn())
-
-    @property
-    def kind(self) -> str:
-        """The signature as a reader says it."""
-        return " + ".join(signature.describe(p) for p in self.signature)
-
-    def drawn(self) -> dict:
-        """The recorded case, rebuilt from its repr (as the replay script does)."""
-        import torch
-        from torch.distributed.tensor import Partial, Replicate, Shard
-
-        names = {"torch": torch, "Replicate": Replicate, "Shard": Shard, "Partial": Partial}
-        for path in self.types:
-            module, _, qualname = path.partition(":")
-            try:
-                names[qualname.split(".")[0]] = getattr(importlib.import_module(module), qualname.split(".")[0])
-            except (ImportError, AttributeError):
-                raise UsageError(f"the baseline's {self.property} entry names the case type {path}, which "
-                                 "this tpdp-verify does not have; regenerate the baseline with "
-                                 "--update-baseline") from None
-        return {k: eval(v, names) for k, v in self.case.items()}  # noqa: S307: the baseline's own reprs
-
-    def to_json(self) -> dict:
-        return {"property": self.property, "world_size": self.world_size, "signature": list(self.signature),
-                "case": self.case, "types": list(self.types), "summary": self.summary}
+def release_of(spec: str) -> str:
+    """``torch==2.13.0`` (as pip spells it), or ``torch-2.13.0`` / ``2.13.0``: the release."""
+    match = re.fullmatch(r"(?:torch\s*==\s*|torch-)?(\d+\.\d+\.\d+(?:[.\w]*))", spec.strip())
+    if not match:
+        raise UsageError(f"--baseline {spec!r} is not a torch release: give one as pip spells it, "
+                         "e.g. --baseline torch==2.13.0")
+    return match[1]
 
 
-def known_parts(entries: list[Known]) -> dict[str, set[str]]:
-    """Property -> every signature part its entries record (at any world size, in any region)."""
-    parts: dict[str, set[str]] = {}
-    for k in entries:
-        parts.setdefault(k.property, set()).update(k.signature)
-    return parts
+def installed_release() -> str | None:
+    """The installed torch's release (``2.13.0`` of ``2.13.0+cpu``) where its files are the
+    ones its wheel installed (pip's RECORD hashes), else None: a torch edited in place is
+    not the release it is named after."""
+    import base64
+    import hashlib
+    from importlib import metadata
 
-
-def regional_parts(entries: list[Known]) -> dict[str, dict[str, set[str]]]:
-    """Property -> region -> every signature part its entries record there (at any world
-    size): what a case of that region may show and be known."""
-    parts: dict[str, dict[str, set[str]]] = {}
-    for k in entries:
-        parts.setdefault(k.property, {}).setdefault(k.region, set()).update(k.signature)
-    return parts
-
-
-DOC = "docs/known-divergences.md"  # where the shipped baselines' entries are explained, one heading each
-
-
-def heading(k: Known) -> str:
-    """The entry's heading in DOC (``markdown`` writes it)."""
-    return f"`{k.property}` (world size {k.world_size}{', ' + k.region if k.region else ''}): {k.kind}"
-
-
-def slug(text: str) -> str:
-    """A heading's anchor, as GitHub makes it."""
-    return "".join(c for c in text.lower() if c.isalnum() or c in " -_").replace(" ", "-")
-
-
-def anchor(k: Known) -> str:
-    """A link to the entry's heading in DOC."""
-    return f"{DOC}#{slug(heading(k))}"
-
-
-def training_parts(entries: list[Known], properties: tuple[str, ...], dp_entry: str,
-                   mesh: tuple[int, ...] | None = None) -> dict[str, Known]:
-    """Each signature part the entries of ``properties`` record for cases through one DP entry
-    point in one form (TrainCase.dp_form: "fsdp1(HYBRID_SHARD)", "fully_shard(dp_mesh_dims=shard)")
-    (on a mesh of the same kind as ``mesh``, if given), with the first entry that
-    records it: what a user's training run through that entry point may show of the build's
-    known faults, and where each is explained. Scoped as a region is (the user's model is
-    none of the zoo's): a fault of another entry point or mesh kind would otherwise hide a
-    departure of the user's."""
-    from tpdp_verify.cases import mesh_kind
-
-    parts: dict[str, Known] = {}
-    for k in sorted(entries, key=lambda k: (len(k.signature), k.world_size)):  # the plainest entry explains
-        case = k.drawn().get("case")
-        if k.property in properties and getattr(case, "dp_form", None) == dp_entry and \
-                (mesh is None or mesh_kind(case.mesh_shape) == mesh_kind(mesh)):
-            for p in k.signature:
-                parts.setdefault(p, k)
-    return parts
-
-
-def entry(prop: str, world_size: int, sig: signature.Signature, drawn: dict, summary: str) -> Known:
-    from tpdp_verify.runner.property import case_types
-
-    types = tuple(sorted(f"{t.__module__}:{t.__qualname__}" for t in case_types(drawn)))
-    return Known(prop, world_size, sig, {k: repr(v) for k, v in drawn.items()}, types, summary.splitlines()[0][:200])
-
-
-def entries(outcomes) -> list[Known]:
-    """Every divergence a run found (raised or known), as baseline entries."""
-    return [entry(o.property, o.world_size, f.signature, f.drawn, f.failure)
-            for o in outcomes for f in o.findings if f.drawn is not None and f.signature and f.status != "FIXED"]
-
-
-def write(path: str, outcomes, profile: str, impl: str, keep: list[Known] = ()) -> int:
-    """Write a baseline of the run's divergences and ``keep`` (recorded entries this run
-    did not reach: a world size or property it left out); the number of entries."""
-    import torch
-
-    known = list({k.key: k for k in [*keep, *entries(outcomes)]}.values())
-    doc = {"schema": SCHEMA, "torch": torch.__version__, "profile": _profiles(path, profile, torch.__version__),
-           "impl": impl, "known": [k.to_json() for k in known]}
-    try:  # whole or not at all: a kill while it writes leaves the previous baseline
-        write_whole(path, json.dumps(doc, indent=2) + "\n")
-    except OSError as exc:
-        raise UsageError(f"cannot write the baseline {path}: {exc.strerror or exc}") from None
-    return len(known)
-
-
-def _profiles(path: str, profile: str, version: str) -> str:
-    """The profiles a baseline was learned with: ``profile``, after those of the file it
-    adds to (the same torch; ``recorded``), e.g. "ci, smoke"."""
     try:
-        previous = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        previous = {}
-    learned = previous.get("profile", "") if isinstance(previous, dict) and previous.get("torch") == version else ""
-    return ", ".join(dict.fromkeys([*filter(None, str(learned).split(", ")), profile]))
-
-
-def resolve(name: str) -> Path:
-    """A path, or the name of a shipped baseline (``torch-2.13.0``)."""
-    path = Path(name)
-    if not path.exists() and (SHIPPED / f"{name}.json").exists():
-        return SHIPPED / f"{name}.json"
-    return path
-
-
-def load(name: str) -> tuple[dict, list[Known]]:
-    path = resolve(name)
-    shipped = ", ".join(p.stem for p in sorted(SHIPPED.glob("*.json")))
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"no baseline {name}: give a file written by --update-baseline, or one "
-                         f"shipped ({shipped})") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read the baseline {path}: {exc}") from None
-    if isinstance(doc, dict) and isinstance(doc.get("schema"), int) and doc["schema"] < SCHEMA:
-        raise UsageError(f"{path} is a baseline of schema {doc['schema']}, which keyed a divergence on its "
-                         f"first failed check; regenerate it: tpdp-verify gate --profile "
-                         f"{str(doc.get('profile', 'ci')).split(', ')[0]} --baseline {path} --update-baseline")
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("known"), list):
-        raise UsageError(f"{path} is not a tpdp-verify baseline (schema {SCHEMA}); write one with "
-                         "--update-baseline")
-    try:
-        return doc, [Known(k["property"], k["world_size"], signature.of(k["signature"]), k["case"],
-                           tuple(k.get("types", ())), k.get("summary", "")) for k in doc["known"]]
-    except (KeyError, TypeError) as exc:
-        raise UsageError(f"{path}: an entry lacks {exc}; rewrite it with --update-baseline") from None
-
-
-def recorded(name: str) -> tuple[dict, list[Known]] | None:
-    """The baseline ``--update-baseline`` adds to: the file's entries if it is one of this
-    schema, else None (nothing to keep: it is written afresh). A search meets only the
-    faults its draw reaches, and another draw (a new seed, a moved strategy) reaches
-    others: writing only this run's would drop faults the build still has."""
-    try:
-        return load(name)
-    except UsageError:
+        dist = metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
         return None
+    for f in dist.files or ():
+        if f.hash is None or not str(f).endswith(".py"):
+            continue
+        try:
+            digest = hashlib.new(f.hash.mode, f.locate().read_bytes()).digest()
+        except OSError:
+            return None
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != f.hash.value:
+            return None
+    return dist.version.split("+")[0]
+
+
+def status(shown: signature.Signature, answer: signature.Signature | None) -> str:
+    """A candidate's failure ``shown`` judged by the release's ``answer`` on the same case."""
+    if answer is None:
+        return "not asked"
+    if shown and set(shown) <= set(answer):
+        return "known"
+    if not answer or set(answer) <= set(shown):
+        return "NEW"  # the release passes, or the candidate adds a fault to the release's
+    return "CHANGED"
+
+
+@dataclass
+class Asking:
+    """How often a run asked, and what it cost."""
+
+    memo: int = 0  # answered by the memo
+    replays: int = 0  # answered by running the case on the release
+    seconds: float = 0.0
+    candidate: int = 0  # answered by the candidate's own run: it is the release
+    not_asked: int = 0
+
+
+class Baseline:
+    """A torch release as the judge of a run: its memo, and where to run what it lacks.
+
+    ``python``: the interpreter of an environment holding the release (``--baseline-python``);
+    else this interpreter where its torch is the release, unmodified; else an environment
+    installed once into the cache (``install``), unless ``install`` is False: then a failure
+    the memo lacks is not asked. ``memo_path``: where this run's answers are added.
+    """
+
+    def __init__(self, release: str, *, python: str | None = None, install: bool = True,
+                 memo_path: Path | None = None, suite: str = "tpdp_verify.properties", backend: str = "auto",
+                 timeout: float = 120.0, rank_output: str | None = None, progress=print):
+        self.release = release
+        self.memo_path = memo_path or memos.users(release)
+        self.memo = memos.Memo.load(release, [memos.shipped(release), memos.users(release), self.memo_path])
+        self.python, self.install = python, install
+        self.here = installed_release() == release
+        self.suite, self.backend, self.timeout, self.rank_output = suite, backend, timeout, rank_output
+        self.progress = progress
+        self.asking = Asking()
+        self._side, self.unavailable = None, ""
+
+    @property
+    def name(self) -> str:
+        return f"torch=={self.release}"
+
+    def is_candidate(self, impl: str) -> bool:
+        """Whether the code under test is the release itself: its runs are the release's answers."""
+        return impl == "torch" and self.here and self.python is None
+
+    def answer(self, prop, pool, impl: str, drawn: dict, shown: signature.Signature) -> signature.Signature | None:
+        """What the release shows on ``drawn`` (``()``: passes); None where it could not be asked."""
+        case, types = memos.printed(drawn)
+        known = self.memo.get(prop.name, pool.world_size, case)
+        if known is not None:
+            self.asking.memo += 1
+            return known.signature
+        if self.is_candidate(impl):
+            self.asking.candidate += 1
+            now = shown
+        else:
+            side = self.side()
+            if side is None:
+                self.asking.not_asked += 1
+                return None
+            start = time.monotonic()
+            now = side.shows(prop, pool, drawn)
+            self.asking.replays += 1
+            self.asking.seconds += time.monotonic() - start
+        self.memo.put(memos.Asked(prop.name, pool.world_size, case, types, signature.of(now)))
+        return signature.of(now)
+
+    def side(self):
+        """Where the release runs a case the memo lacks, started on first use; None if nowhere."""
+        from tpdp_verify.runner import provision, replay
+
+        if self._side is not None or self.unavailable:
+            return self._side
+        if self.python is None and self.here:
+            self._side = replay.ImplSide("torch")
+            return self._side
+        python = self.python
+        if python is None:
+            if not self.install:
+                self.unavailable = (f"no environment of torch {self.release} (--no-install): failures the memo "
+                                    f"lacks were not asked; drop --no-install, or give --baseline-python PATH")
+                return None
+            try:
+                python = provision.environment(self.release, self.progress)
+            except UsageError as exc:
+                self.unavailable = str(exc)
+                self.progress(f"baseline: {exc}")
+                return None
+        self.progress(f"baseline: starting torch {self.release} at {python}")
+        self._side = replay.PythonSide(python, self.suite, self.backend, self.timeout, self.rank_output)
+        return self._side
+
+    def close(self, at_once: bool = False) -> int:
+        """Stop the release's side, and keep what it answered; the memo's size (0: nothing added)."""
+        if self._side is not None:
+            self._side.close(at_once)
+        if not self.memo.added:
+            return 0
+        try:
+            return self.memo.save(self.memo_path)
+        except OSError as exc:
+            self.progress(f"baseline: could not keep this run's answers in {self.memo_path}: {exc}")
+            return 0
 
 
 @dataclass
 class Judgement:
-    known: list[Known] = field(default_factory=list)
-    new: list[Known] = field(default_factory=list)
-    changed: list[tuple[Known, str]] = field(default_factory=list)  # and what it does now
-    fixed: list[Known] = field(default_factory=list)
-    not_run: list[Known] = field(default_factory=list)  # a world size or property this run left out
-    not_rerun: list[Known] = field(default_factory=list)  # not met, and the rerun budget was spent
+    """A run's findings by status, over every search."""
+
+    new: list = field(default_factory=list)  # (property, world size, finding)
+    changed: list = field(default_factory=list)
+    fixed: list = field(default_factory=list)
+    known: list = field(default_factory=list)
+    not_asked: list = field(default_factory=list)
+    reran: int = 0  # memo cases run again on the candidate
+    not_rerun: int = 0  # and those the rerun budget left
 
     @property
     def blocks(self) -> bool:
         return bool(self.new or self.changed)
 
+    @classmethod
+    def of(cls, outcomes) -> "Judgement":
+        out = cls()
+        lists = {"NEW": out.new, "CHANGED": out.changed, "FIXED": out.fixed, "known": out.known,
+                 "not asked": out.not_asked}
+        for o in outcomes:
+            for f in o.findings:
+                if f.status in lists:
+                    lists[f.status].append((o.property, o.world_size, f))
+            out.reran += o.stats.reran
+            out.not_rerun += o.stats.not_rerun
+        return out
 
-def judge(outcomes, baseline: list[Known], rerun: Callable[[Known], signature.Signature],
-          rerun_seconds: float = math.inf, hang_seconds: float = 0.0) -> Judgement:
-    """Sort a run's findings by the baseline, and give each its status. A finding the
-    search raised is NEW; one it counted as known is known. ``rerun(entry)`` runs a listed
-    case that the run did not meet again and returns its signature (() if it passes); once
-    the reruns have taken ``rerun_seconds``, the entries left are listed as not rerun (a
-    baseline of many regions holds more cases than a short run can afford to rerun); a
-    recorded hang, whose rerun waits out the ranks' timeout, only while ``hang_seconds``
-    (that timeout) is left."""
-    from tpdp_verify.runner.property import region
-
-    parts, start = regional_parts(baseline), time.monotonic()
-
-    def knows(prop: str, where: str, sig) -> bool:
-        return signature.known(sig, parts.get(prop, {}).get(where, set()))
-
-    shown = [(o.property, o.world_size, region(f.drawn), set(f.signature)) for o in outcomes for f in o.findings]
-    ran = {(o.property, o.world_size): o for o in outcomes}
-    out = Judgement()
-    for o in outcomes:
-        for i, f in enumerate(o.findings):
-            if f.signature and knows(o.property, region(f.drawn), f.signature):
-                o.findings[i] = f._replace(status="known")
-            elif f.drawn is not None:
-                o.findings[i] = f._replace(status="NEW")
-                out.new.append(entry(o.property, o.world_size, f.signature, f.drawn, f.failure))
-    for listed in baseline:  # met when a failure of the run in its region shows all of it (and maybe more)
-        where = (listed.property, listed.world_size, listed.region)
-        if any((p, w, r) == where and s >= set(listed.signature) for p, w, r, s in shown):
-            out.known.append(listed)
-            continue
-        # every part shown by this run's failures of the property in its region, if in other
-        # combinations: each fault is still there, and a rerun would only cost a pool call
-        seen = set().union(*(s for p, w, r, s in shown if (p, w, r) == where))
-        if seen >= set(listed.signature):
-            out.known.append(listed)
-            continue
-        outcome = ran.get((listed.property, listed.world_size))
-        if outcome is None:
-            out.not_run.append(listed)
-            continue
-        left = rerun_seconds - (time.monotonic() - start)
-        if left < 0 or (signature.HANG in listed.signature and hang_seconds > left):
-            out.not_rerun.append(listed)  # a hang's rerun takes the timeout: only where the budget holds it
-            continue
-        now = rerun(listed)
-        if not now:
-            out.fixed.append(listed)
-            status = "FIXED"
-        elif knows(listed.property, listed.region, now):
-            out.known.append(listed)
-            status = "known"
-        else:
-            out.changed.append((listed, "now " + " + ".join(signature.describe(p) for p in now)))
-            status = "CHANGED"
-        outcome.findings.append(rerun_finding(listed, now, status))
-    for o in outcomes:
-        o.judged()
-    return out
+    def counts(self) -> dict:
+        return {"new": len(self.new), "changed": len(self.changed), "fixed": len(self.fixed),
+                "known": len(self.known), "not_asked": len(self.not_asked), "reran": self.reran,
+                "not_rerun": self.not_rerun}
 
 
-def rerun_finding(listed: Known, now: signature.Signature, status: str):
-    from tpdp_verify.runner.gate import Finding
+def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: str = "") -> str:
+    """What the baseline said of the run: a line per finding that is not known, then the counts."""
+    width = max([len(p) for p, _, _ in j.new + j.changed + j.fixed + j.not_asked] + [8])
 
-    text = f"{listed.summary}\n(its recorded case, run again: " + (
-        "passes)" if not now else " + ".join(signature.describe(p) for p in now) + ")")
-    return Finding(text, "", listed.kind, listed.drawn(), now or listed.signature, status)
+    def line(label: str, item) -> str:
+        prop, world_size, f = item
+        return f"  {label:<9} {prop:<{width}} world {world_size}  {f.kind}"
 
-
-def judgement_report(j: Judgement, header: dict, name: str, updating: bool = False, title: str = "") -> str:
-    width = max([len(k.property) for k in j.known + j.new + j.fixed + j.not_run + [c for c, _ in j.changed]]
-                + [8])
-
-    def line(label: str, k: Known, extra: str = "") -> str:
-        where = f" ({k.region})" if k.region else ""
-        return f"  {label:<8} {k.property:<{width}} world {k.world_size}{where}  {k.kind}{extra}"
-
-    out = [title or f"baseline {name}: recorded on torch {header.get('torch')} with profile {header.get('profile')}"]
-    out += [line("NEW", k, f": {k.summary}") for k in j.new]
-    out += [line("CHANGED", k, f": {now}") for k, now in j.changed]
-    out += [line("FIXED", k, ": its recorded case passes now") for k in j.fixed]
-    out += [line("known", k) for k in j.known]
-    out += [line("not run", k, " (not in this run)") for k in j.not_run]
-    if j.not_rerun:  # one line, not one each: a short run of a wide baseline leaves hundreds
-        out.append(f"  not rerun: {len(j.not_rerun)} entries this run did not meet (the profile's rerun budget "
-                   "was spent): whether they still fail, or changed, was not asked")
+    out = [f"baseline {name}: known where that release fails the same way on the same case"]
+    out += [line("NEW", x) for x in j.new]
+    out += [line("CHANGED", x) for x in j.changed]
+    out += [line("FIXED", x) for x in j.fixed]
+    out += [line("not asked", x) for x in j.not_asked]
+    if asking is not None:
+        out.append(f"  asked {asking.memo + asking.replays + asking.candidate + asking.not_asked} times: "
+                   f"{asking.memo} from the memo, {asking.replays} replayed there ({asking.seconds:.0f} s)"
+                   + (f", {asking.candidate} by the candidate's own run (it is that release)" if asking.candidate
+                      else "") + (f", {asking.not_asked} not asked" if asking.not_asked else ""))
+    if j.reran or j.not_rerun:
+        out.append(f"  the memo's failing cases run again on the candidate: {j.reran}"
+                   + (f"; {j.not_rerun} not rerun (the profile's rerun budget was spent): whether they still "
+                      "fail was not asked" if j.not_rerun else ""))
+    if unavailable:
+        out.append(f"  {unavailable}")
     out.append(f"against the baseline: {len(j.new)} new, {len(j.changed)} changed, {len(j.fixed)} fixed, "
-               f"{len(j.known)} known" + (f", {len(j.not_rerun)} not rerun" if j.not_rerun else "")
-               + (": recorded" if updating else ": blocks" if j.blocks else ": passes"))
+               f"{len(j.known)} known" + (f", {len(j.not_asked)} not asked" if j.not_asked else "")
+               + (": blocks" if j.blocks else ": not judged" if j.not_asked else ": passes"))
     return "\n".join(out)
-
-
-def markdown(name: str, properties, impl: str = "torch") -> str:
-    """Every entry of a baseline with a script that replays it: the generated half of
-    docs/known-divergences.md (``python -m tpdp_verify.runner.baseline NAME``)."""
-    header, known = load(name)
-    by_name = {p.name: p for p in properties}
-    profiles = str(header["profile"]).split(", ")
-    out = [f"Recorded on torch {header['torch']} with the {' and '.join(f'`{p}`' for p in profiles)} "
-           f"profile{'s' * (len(profiles) > 1)}: {len(known)} entries."]
-    for k in known:
-        out += ["", f"### {heading(k)}", "",
-                "Signature: " + ", ".join(f"`{p}`" for p in k.signature), "", k.summary, "",
-                "```python", by_name[k.property].replay_code(k.world_size, impl, k.drawn()).rstrip(), "```"]
-    return "\n".join(out) + "\n"
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tpdp_verify.runner import suite
-
-    print(markdown(sys.argv[1] if len(sys.argv) > 1 else "torch-2.13.0", suite.load().properties), end="")

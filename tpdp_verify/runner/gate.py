@@ -22,14 +22,15 @@ import torch
 from hypothesis.reporting import with_reporter
 
 from tpdp_verify import interrupts, signature
-from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, PoolError
+from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, PoolError
 from tpdp_verify.impls import select as impl_mod
 from tpdp_verify.interrupts import Interrupted
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.runner import coverage
 from tpdp_verify.runner.profiles import Profile
-from tpdp_verify.runner.property import Judge, Property, Stats, finding, on_fresh_ranks
+from tpdp_verify.runner.baseline import status
+from tpdp_verify.runner.property import GOES_ON, Judge, Property, Stats, finding, never
 
 # once ranks have hung, a call counts as hung after 5x the slowest call that answered (the
 # pool's after_hang): a build that hangs, hangs in many cases, and a full timeout each is hours
@@ -66,11 +67,11 @@ class Outcome:
     rank_output: str = ""  # the file holding what the ranks printed during this search, if they did
 
     def judged(self) -> None:
-        """The status from the findings' own, once a baseline has judged them."""
-        if self.status in ("pass", "known", "diverges"):
-            blocking = [f for f in self.findings if f.blocks and f.status != "FIXED"]
-            self.status = "diverges" if blocking else "known" if any(f.status == "known" for f in self.findings) \
-                else "pass"
+        """The status from the findings' own: diverges where one blocks (NEW, CHANGED, or any
+        without a baseline), known where the baseline shows them all (or was not asked)."""
+        if self.status not in ("infra", "interrupted"):
+            self.status = "diverges" if any(f.blocks for f in self.findings) else \
+                "known" if any(f.status in GOES_ON for f in self.findings) else "pass"
 
     @property
     def short(self) -> bool:
@@ -96,19 +97,17 @@ def _failure_text(exc: BaseException, reported: list[str]) -> str:
 
 def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
                    progress: Callable[[str], None] | None = None, every: float = 60.0,
-                   known: set[str] | dict[str, set[str]] | Judge | None = None, learn: bool = False,
-                   stats: Stats | None = None) -> Outcome:
-    """Run one property; with ``progress``, say every ``every`` seconds that it still runs.
+                   judge: Judge | None = None, stats: Stats | None = None) -> Outcome:
+    """Run one property's search; with ``progress``, say every ``every`` seconds that it still runs.
 
-    ``known``: the signature parts a baseline records for this property (region -> parts,
-    or a plain set for the property anywhere), or a judge that replays on the baseline;
-    ``learn``: writing a baseline (see Property.run); ``stats``: filled in as it runs.
+    ``judge``: each failure's status against the baseline release (Property.run); ``stats``:
+    filled in as it runs.
     """
     stats, reported, findings = stats or Stats(), [], []
     start = time.monotonic()
     try:
         with with_reporter(reported.append), _heartbeat(prop.name, stats, progress, every):
-            prop.run(pool, impl, profile, stats, known, learn)
+            prop.run(pool, impl, profile, stats, judge)
     except PoolError as exc:
         return _outcome(prop, pool, profile, "infra", start, stats, message=str(exc))
     except Divergence as exc:
@@ -119,12 +118,82 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
         findings = _findings(prop, pool, impl, group.exceptions, stats, [])
     except Exception as exc:
         raise _internal(prop.name, exc) from exc
-    findings += [_finding(prop, pool, impl, text, sig, drawn) for (_, sig), (text, drawn) in stats.learned.items()]
     met = {f.signature for f in findings}  # what only known failures showed: one example each
-    findings += [_finding(prop, pool, impl, "", sig, drawn, "known")
-                 for sig, drawn in stats.known_seen.items() if sig not in met and not learn]
-    status = "diverges" if any(f.status != "known" for f in findings) else "known" if findings else "pass"
-    return _outcome(prop, pool, profile, status, start, stats, findings=findings)
+    findings += [_finding(prop, pool, impl, "", sig, drawn, status)
+                 for sig, (status, drawn) in stats.known_seen.items() if sig not in met]
+    outcome = _outcome(prop, pool, profile, "", start, stats, findings=findings)
+    outcome.judged()
+    return outcome
+
+
+@dataclass
+class Spent:
+    """What a run has spent of its profile's budgets, over all its searches."""
+
+    shrinking: float = 0.0
+    rerunning: float = 0.0
+
+
+def judged_search(prop: Property, pool: RankPool, impl: str, profile: Profile, baseline=None,
+                  spent: Spent | None = None, progress: Callable[[str], None] | None = None,
+                  every: float = 60.0) -> Outcome:
+    """One search, judged: the gate's whole sequence for a property on a pool, as the CLI,
+    the pytest items and each ``--jobs`` part run it. The search, each failure judged by the
+    baseline release on its case (tpdp_verify.runner.baseline), then the memo's failing cases
+    of this search run on the candidate (FIXED, CHANGED), within the profile's budgets."""
+    spent = spent if spent is not None else Spent()
+    judge = None if baseline is None else \
+        (lambda sig, drawn: status(sig, baseline.answer(prop, pool, impl, drawn, sig)))
+    outcome = check_property(prop, pool, impl, profile.with_shrinking_left(profile.shrink_total - spent.shrinking),
+                             progress, every, judge)
+    outcome.unshrunk = profile.shrink and spent.shrinking >= profile.shrink_total
+    spent.shrinking += outcome.stats.shrink_seconds
+    if baseline is not None and outcome.status != "infra" and not baseline.is_candidate(impl):
+        start = time.monotonic()
+        try:
+            _rerun_memo(prop, pool, impl, outcome, baseline, profile.rerun_total - spent.rerunning)
+        except PoolError as exc:
+            outcome.status, outcome.message = "infra", str(exc)
+        spent.rerunning += time.monotonic() - start
+    outcome.judged()
+    return outcome
+
+
+def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, baseline, seconds: float) -> None:
+    """The release's failing cases of this search, on the candidate: FIXED where it passes,
+    CHANGED where it fails otherwise. Cases the search ran are judged by that run; the others
+    run while ``seconds`` last (a recorded hang only while its timeout fits)."""
+    from tpdp_verify.runner.memo import key
+
+    stats, start = outcome.stats, time.monotonic()
+    for asked in baseline.memo.failing(prop.name, pool.world_size):
+        now = stats.ran.get(asked.key)
+        if now is None:
+            left = seconds - (time.monotonic() - start)
+            if left <= 0 or (signature.HANG in asked.signature and pool.timeout > left):
+                stats.not_rerun += 1
+                continue
+            drawn = asked.drawn()
+            try:
+                prop.call(pool, impl, drawn, never)
+                now = ()
+            except Exception as exc:
+                found = finding(exc)
+                if found is None:
+                    raise _internal(prop.name, exc) from exc
+                now = found.signature
+            stats.ran[key(prop.name, pool.world_size, asked.case)] = now
+            stats.reran += 1
+        if not now:
+            verdict = "FIXED"
+        else:
+            verdict = status(now, asked.signature)
+            if verdict == "known" or any(f.signature == now for f in outcome.findings):
+                continue  # the release's failure, or one the search reported already
+        said = "passes" if not now else " + ".join(signature.describe(p) for p in now)
+        was = " + ".join(signature.describe(p) for p in asked.signature)
+        text = f"torch {baseline.release} fails this case ({was}); the candidate {said}"
+        outcome.findings.append(_finding(prop, pool, impl, text, now or asked.signature, asked.drawn(), verdict))
 
 
 def _internal(name: str, exc: BaseException) -> BaseException:
@@ -151,14 +220,14 @@ def _findings(prop: Property, pool: RankPool, impl: str, found, stats: Stats, re
         seen.add(type(e).signature)
         drawn = stats.failures.get(type(e).signature, stats.failing)
         out.append(_finding(prop, pool, impl, _failure_text(e, reported if len(found) == 1 else []),
-                            type(e).signature, drawn))
+                            type(e).signature, drawn, stats.statuses.get(type(e).signature, "")))
     return out
 
 
 def _finding(prop: Property, pool: RankPool, impl: str, text: str, sig: tuple, drawn: dict | None,
              status: str = "") -> Finding:
-    if status == "known":
-        text = f"known: {' + '.join(signature.describe(p) for p in sig)}"
+    if status in GOES_ON:
+        text = f"{status}: {' + '.join(signature.describe(p) for p in sig)}"
     return Finding(text, prop.replay_code(pool.world_size, impl, drawn) if drawn else "",
                    " + ".join(signature.describe(p) for p in sig), drawn, sig, status)
 
@@ -202,21 +271,17 @@ def iter_gate(
     timeout: float = 120.0,
     progress: Callable[[str], None] = print,
     every: float = 60.0,
-    known: dict[str, dict[str, set[str]]] | None = None,
-    learn: bool = False,
+    baseline=None,
     seed: int | None = None,
     rank_output: str | None = None,
-    judge: Callable[[Property, RankPool, Stats], Judge] | None = None,
     selected: set[tuple[str, int]] | None = None,
 ) -> Iterator[Outcome]:
-    """Each property's outcome as it comes, so that a run cut short keeps what it found.
+    """Each search's judged outcome as it comes (``judged_search``), so that a run cut short
+    keeps what it found.
 
-    ``progress`` gets a line per property with the count done, the failures so far and
-    the time since the start, and a line every ``every`` seconds a property runs.
-    ``known``: property -> region -> the signature parts a baseline records there
-    (tpdp_verify.runner.baseline.regional_parts); ``judge``: instead, a property's judge on
-    its pool (tpdp_verify.runner.replay: the baseline run on each failure's case);
-    ``learn``: search on past each failure found, to write a baseline; ``seed``: draw other
+    ``progress`` gets a line per search with the count done, the failures so far and the
+    time since the start, and a line every ``every`` seconds a search runs. ``baseline``:
+    the release that judges (tpdp_verify.runner.baseline.Baseline); ``seed``: draw other
     cases than the profile's fixed ones; ``rank_output``: a directory for the ranks' stdout
     and stderr (RankPool's output), else the terminal; ``selected``: the searches (name,
     world size) to make, of all the profile's (tpdp_verify.runner.selection).
@@ -227,7 +292,7 @@ def iter_gate(
     plan = searches(properties, profile, selected)
     total = len(plan)
     done = failed = 0
-    start, shrinking = time.monotonic(), 0.0
+    start, spent = time.monotonic(), Spent()
     for world_size in profile.world_sizes:
         todo = [p for p, ws in plan if ws == world_size]
         if not todo:
@@ -237,13 +302,8 @@ def iter_gate(
                       after_hang=AFTER_HANG, output=rank_output) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
-                stats = Stats()
-                parts = judge(prop, pool, stats) if judge else None if known is None else known.get(prop.name, {})
-                run_profile = profile.with_shrinking_left(profile.shrink_total - shrinking)
-                outcome = check_property(prop, pool, impl, run_profile, progress, every, parts, learn, stats)
-                outcome.unshrunk = profile.shrink and not run_profile.shrink
+                outcome = judged_search(prop, pool, impl, profile, baseline, spent, progress, every)
                 outcome.rank_output = _set_aside(rank_output, world_size, prop.name) if rank_output else ""
-                shrinking += outcome.stats.shrink_seconds
                 done, failed = done + 1, failed + (outcome.status in ("diverges", "infra"))
                 progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
                          f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
@@ -295,9 +355,7 @@ def run_gate(properties: tuple[Property, ...], profile: Profile, impl: str = "to
 
 def _drew(o: Outcome) -> str:
     known = f", {o.stats.known} known only" if o.stats.known else ""
-    if o.stats.replays:
-        known += f" ({o.stats.replays} replayed on the baseline, {o.stats.replay_seconds:.0f} s" + (
-            f"; {o.stats.by_parts} by its parts shown" if o.stats.by_parts else "") + ")"
+    known += f", {o.stats.not_asked} not asked" if o.stats.not_asked else ""
     short = f" FEWER THAN {o.wanted}" if o.short else ""
     return f"{o.stats.drawn:>4} drawn{short}{known}"
 
@@ -313,10 +371,14 @@ def _short_line(o: Outcome) -> str:
 
 
 def exit_code(outcomes: list[Outcome]) -> int:
+    """3 where the harness failed, 1 where a finding blocks, 4 where the baseline could not be
+    asked about a failure (no verdict on it), else 0."""
     statuses = {o.status for o in outcomes}
     if "infra" in statuses:
         return EXIT_INFRA
-    return EXIT_DIVERGENCE if "diverges" in statuses else EXIT_OK
+    if "diverges" in statuses:
+        return EXIT_DIVERGENCE
+    return EXIT_NOT_ASKED if any(f.status == "not asked" for o in outcomes for f in o.findings) else EXIT_OK
 
 
 def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float,
@@ -335,13 +397,6 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn} of {o.wanted}"
                                f"{', ' + o.stats.stopped_because if o.stats.stopped_because else ''})"
                                for o in short))
-    replays = sum(o.stats.replays for o in outcomes)
-    if replays:
-        by_parts = sum(o.stats.by_parts for o in outcomes)
-        out.append(f"replayed {replays} failures on the baseline in {sum(o.stats.replay_seconds for o in outcomes):.0f}"
-                   f" s (budget {profile.replay_total:g} s)" + (
-                       f"; once it was spent, {by_parts} failures showing only parts the baseline had shown "
-                       "were counted known without a replay" if by_parts else ""))
     history = [(o, text) for o in outcomes for text, _ in o.stats.history]
     if history:
         out.append(f"{len(history)} cases killed a rank after other cases on the same ranks and not on fresh ones "
@@ -367,39 +422,19 @@ def outcome_report(o: Outcome) -> str:
     out = [f"== {o.property} (world size {o.world_size}): {o.status}"]
     if o.message:
         out.append(o.message)
-    for f in (f for f in o.findings if f.status != "known"):
+    for f in (f for f in o.findings if f.status not in GOES_ON):
         out += ["", f"{f.status or 'found'}: {f.kind}", f"signature: {', '.join(f.signature)}", f.failure]
         if f.replay:
             out += ["(the case as first found: the gate's shrinking budget was spent)"] if o.unshrunk else []
             out += [REPLAY, f.replay.rstrip()]
     known = [f.kind for f in o.findings if f.status == "known"]
     if known:
-        out += ["", f"known ({o.stats.known} examples showed only known failures): " + "; ".join(known)]
+        out += ["", f"known ({o.stats.known} examples showed only failures the baseline release shows on the same "
+                    "case): " + "; ".join(known)]
+    unasked = [f.kind for f in o.findings if f.status == "not asked"]
+    if unasked:
+        out += ["", f"not asked ({o.stats.not_asked} examples failed where the baseline release could not be asked: "
+                    "no verdict): " + "; ".join(unasked)]
     if o.rank_output:
         out += ["", f"what the ranks printed during this search (-v shows it as it comes): {o.rank_output}"]
     return "\n".join(out)
-
-
-@contextlib.contextmanager
-def rerunner(properties: tuple[Property, ...], impl: str, backend: str = "auto", timeout: float = 120.0,
-             rank_output: str | None = None):
-    """``rerun(entry)``: a baseline entry's recorded case run once more, outside hypothesis;
-    the signature of what fails now, () if it passes. Pools start on first use."""
-    by_name = {p.name: p for p in properties}
-    with contextlib.ExitStack() as stack:
-        pools: dict[int, RankPool] = {}
-
-        def rerun(entry) -> tuple:
-            if entry.world_size not in pools:
-                pool = RankPool(entry.world_size, backend, timeout=timeout, output=rank_output)
-                pools[entry.world_size] = stack.enter_context(pool)
-            try:
-                on_fresh_ranks(by_name[entry.property].fn, pools[entry.world_size], impl, **entry.drawn())
-            except Exception as exc:
-                found = finding(exc)
-                if found is None:
-                    raise _internal(entry.property, exc) from exc
-                return found.signature
-            return ()
-
-        yield rerun

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, UsageError
+from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, UsageError
 from tpdp_verify.runner.selection import parse
 
 # What the parts of one run share.
 SAME = ("command", "schema", "tpdp_verify", "torch", "impl", "profile", "max_examples", "seed", "backend",
         "world_sizes", "shrink_total")
-JUDGED = ("new", "changed", "fixed", "known", "not_rerun")  # an entry's status where its search ran
+JUDGED = ("new", "changed", "fixed", "known", "not_asked", "reran", "not_rerun")  # the baseline's counts
 # What merge reads of a part, beyond SAME.
 READ = ("selection", "counts", "properties", "seconds", "started", "exit_code", "error", "baseline", "interrupted")
 
@@ -114,28 +114,26 @@ def _run_of(record: dict) -> dict:
 
 
 def _judgement(parts: list[dict | None]) -> dict | None:
-    """The baseline's judgement of the whole run. Every part judged every entry: an entry
-    whose search ran in one part has its status there and counts as not run in the N - 1
-    others; one whose search no part ran is not run in all N."""
+    """The baseline's judgement of the whole run: each search judges its own findings and
+    reruns its own memo cases, so the parts' counts add up."""
     if not parts[0]:
         return None
     merged = {"name": parts[0]["name"], "blocks": any(p["blocks"] for p in parts)}
-    merged |= {k: sum(p[k] for p in parts) for k in JUDGED}
-    entries = sum(parts[0][k] for k in (*JUDGED[1:], "not_run"))  # every listed entry, once (not "new")
-    merged["not_run"] = sum(p["not_run"] for p in parts) - (len(parts) - 1) * entries
-    return {key: merged[key] for key in parts[0]}
+    return merged | {k: sum(p[k] for p in parts) for k in JUDGED}
 
 
 def _exit_code(merged: dict, parts: list[dict]) -> int:
     """As the gate's: a signal's code where a part was stopped by one, else infra, else a
-    blocking divergence, else 0."""
+    blocking divergence, else failures the baseline was not asked about, else 0."""
     stopped = [r["exit_code"] for r in parts if r.get("interrupted")]
     if stopped:
         return stopped[0]
     counts = merged["counts"]
     if counts.get("infra") or merged["error"]:
         return EXIT_INFRA
-    return EXIT_DIVERGENCE if counts.get("diverges") else EXIT_OK
+    if counts.get("diverges"):
+        return EXIT_DIVERGENCE
+    return EXIT_NOT_ASKED if (merged["baseline"] or {}).get("not_asked") else EXIT_OK
 
 
 def summary(merged: dict, command: str = "merge") -> str:
@@ -152,6 +150,8 @@ def summary(merged: dict, command: str = "merge") -> str:
                f"{max(p['seconds'] for p in merged['parts']):.1f} s")
     if b:
         out.append(f"against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
-                   f"{b['known']} known: {'blocks' if b['blocks'] else 'passes'}")
+                   f"{b['known']} known" + (f", {b['not_asked']} not asked" if b["not_asked"] else "")
+                   + (f"; {b['not_rerun']} of the memo's failing cases not rerun" if b["not_rerun"] else "")
+                   + f": {'blocks' if b['blocks'] else 'not judged' if b['not_asked'] else 'passes'}")
     out += [f"\n{p['report']}" for p in merged["properties"] if p["report"] and p["status"] != "interrupted"]
     return "\n".join(out)

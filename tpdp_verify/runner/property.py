@@ -9,7 +9,7 @@ so that a property whose strategy was filtered away cannot pass silently.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import inspect
 import dataclasses
 import functools
 import hashlib
@@ -24,7 +24,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis.statistics import collector
 
 from tpdp_verify import signature
-from tpdp_verify.cases import mesh_kind
+from tpdp_verify.cases import case_types
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.judging.divergence import Divergence, divergence
 from tpdp_verify.runner.profiles import Profile
@@ -57,88 +57,47 @@ class Stats:
     discarded: int = 0  # rejected by assume() or a filter inside the example
     drawn: int = 0  # examples hypothesis generated (its generate phase; shrinking apart)
     covered: int = 0  # cover cases run, in their own phase before the search
-    known: int = 0  # examples whose every failure a baseline knows: counted, not raised
-    known_seen: dict = field(default_factory=dict)  # signature -> the first example that showed it
+    known: int = 0  # examples whose every failure the baseline release shows too: counted, not raised
+    not_asked: int = 0  # examples that failed where the baseline could not be asked: counted, not raised
+    known_seen: dict = field(default_factory=dict)  # signature -> (status, the first example that showed it)
     stopped_because: str = ""  # why hypothesis stopped generating, in its words
     shrink_seconds: float = 0.0  # spent shrinking (and explaining) what the search found
     failing: dict | None = None  # drawn arguments of the last failing example (the shrunk one)
     # the same, a failure's signature each: hypothesis shrinks distinct bugs (exception types) apart,
     # and two signatures of one exception class name are two bugs
     failures: dict = field(default_factory=dict)
+    statuses: dict = field(default_factory=dict)  # signature -> its status, as last judged (NEW, CHANGED)
     cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
-    learned: dict = field(default_factory=dict)  # writing a baseline: (region, signature) -> (text, drawn)
-    replays: int = 0  # failures run again on the baseline implementation (gate --baseline-python)
-    replay_seconds: float = 0.0  # the time those took, here and on the baseline's ranks
-    by_parts: int = 0  # failures judged by the parts the baseline had shown, its replay budget spent
+    ran: dict = field(default_factory=dict)  # memo key -> what the candidate showed there (() passed)
+    reran: int = 0  # the memo's failing cases run again on the candidate after the search
+    not_rerun: int = 0  # and those the rerun budget left
     # (what died, the case) where a rank died on ranks that had run other cases but not on
     # fresh ones: the case is judged by its run on fresh ranks (on_fresh_ranks)
     history: list = field(default_factory=list)
 
 
-Judge = Callable[[signature.Signature, dict], bool]  # (a failure's signature, its case) -> known?
-
-
-def region(drawn: dict | None) -> str:
-    """Where a case lies, as a baseline tells faults apart: a training or checkpoint case's
-    DP entry point, model and mesh kind ("dp", "tp", "dp x tp"); a case's own ``region``
-    where it has one (a tensor's layout; a drawn loss's path through torch); "" for the
-    rest (a module tree), whose property is one region. A part seen under ``replicate`` on
-    the tied model says nothing of FSDP1 on the MLP, nor overlapping metadata of uneven
-    shards of even ones, nor a KL loss's gradients under loss_parallel of cross entropy's."""
-    case = (drawn or {}).get("case")
-    if isinstance(getattr(case, "region", None), str):
-        return case.region
-    entry, model, mesh = (getattr(case, a, None) for a in ("dp_form", "model", "mesh_shape"))
-    if not (isinstance(entry, str) and isinstance(model, str) and mesh):
-        return ""
-    return f"{entry} {model} {mesh_kind(mesh)}"
-
-
-class KnownParts:
-    """Known by a file baseline: every part of the failure is recorded for the property in
-    the case's region (``region``); given a plain set, for the property anywhere. Learning a
-    baseline adds each new failure's parts to its region."""
-
-    def __init__(self, parts: dict[str, set[str]] | set[str] | tuple = ()):
-        self.by_region = {r: set(p) for r, p in parts.items()} if isinstance(parts, dict) else None
-        self.parts = set() if isinstance(parts, dict) else set(parts)
-
-    def _of(self, drawn: dict | None) -> set[str]:
-        return self.parts if self.by_region is None else self.by_region.setdefault(region(drawn), set())
-
-    def __call__(self, sig: signature.Signature, drawn: dict | None = None) -> bool:
-        return signature.known(sig, self._of(drawn))
-
-    def learn(self, sig: signature.Signature, drawn: dict) -> None:
-        self._of(drawn).update(sig)
-
-
-class _Escape(BaseException):
-    """Carries what is not a finding (the harness failing) out of hypothesis, unshrunk."""
-
-
-# How the baseline judges the property now running (None: no baseline), and the case it runs.
-_KNOWN: contextvars.ContextVar[Judge | None] = contextvars.ContextVar("tpdp_known", default=None)
-_DRAWN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tpdp_drawn", default=None)
-
-
-def known_now(sig: signature.Signature) -> bool:
-    """Whether the file baseline of the property now running knows every part of ``sig`` in
-    the running case's region: a shortcut for reports, so never by replay (that costs a run)."""
-    known = _KNOWN.get()
-    return isinstance(known, KnownParts) and known(sig, _DRAWN.get())
+# (a failure's signature, its case) -> its status against the baseline release:
+# "known", "not asked" (counted, and the search draws on), "NEW" or "CHANGED" (raised)
+Judge = Callable[[signature.Signature, dict], str]
+GOES_ON = ("known", "not asked")
 
 
 def worth_explaining(sig: signature.Signature) -> bool:
     """Whether a failure's report reaches a reader, so that it is worth two more runs on
-    the ranks (naming the first module, running the case without TP): not for a failure a
-    baseline knows, nor during shrinking; yes outside hypothesis (a replay, a cover case)
-    and in the final replay of an example hypothesis reports."""
+    the ranks (naming the first module, running the case without TP): not during the
+    search or shrinking; yes outside hypothesis (a replay) and in the final replay of an
+    example hypothesis reports."""
     from hypothesis.control import current_build_context, currently_in_test_context
 
-    if known_now(sig):
-        return False
     return not currently_in_test_context() or current_build_context().is_final
+
+
+def never(sig: signature.Signature) -> bool:
+    return False
+
+
+def always(sig: signature.Signature) -> bool:
+    return True
 
 
 def finding(exc: BaseException) -> Divergence | None:
@@ -165,27 +124,27 @@ def finding(exc: BaseException) -> Divergence | None:
     return None
 
 
-def on_fresh_ranks(fn: Callable, *args, history: list | None = None, **kwargs) -> None:
-    """``fn(*args, **kwargs)``, and should a rank die, once more. A pool whose rank died
-    starts fresh ranks, so the second run has no history: a death it shows again is the
-    case's own. One it does not show came from what earlier cases left in the ranks (torch
-    reading memory it freed, a group left broken), so the case is judged by its second run
-    and the death is kept in ``history`` with the case: a verdict must not depend on which
-    cases ran before it on the same processes."""
+def on_fresh_ranks(run: Callable[[], None], history: list | None = None, case: dict | None = None) -> None:
+    """``run()``, and should a rank die, once more. A pool whose rank died starts fresh
+    ranks, so the second run has no history: a death it shows again is the case's own. One
+    it does not show came from what earlier cases left in the ranks (torch reading memory
+    it freed, a group left broken), so the case is judged by its second run and the death
+    is kept in ``history`` with ``case``: a verdict must not depend on which cases ran
+    before it on the same processes."""
     try:
-        fn(*args, **kwargs)
+        run()
         return
     except RankDied as died:
         first = str(died)
     again = False
     try:
-        fn(*args, **kwargs)
+        run()
     except RankDied:
         again = True
         raise
     finally:
         if not again and history is not None:
-            history.append((first, dict(kwargs)))
+            history.append((first, dict(case or {})))
 
 
 def _part(traceback_text: str) -> str:
@@ -198,11 +157,15 @@ def _part(traceback_text: str) -> str:
     return signature.raised_from_text(traceback_text)
 
 
-def _judged(known: Judge, sig: signature.Signature, drawn: dict) -> bool:
-    """``known(sig, drawn)``; the baseline side failing (its ranks would not start) is the
+class _Escape(BaseException):
+    """Carries what is not a finding (the harness failing) out of hypothesis, unshrunk."""
+
+
+def _judged(judge: Judge, sig: signature.Signature, drawn: dict) -> str:
+    """``judge(sig, drawn)``; the baseline side failing (its ranks would not start) is the
     harness's failure, carried out of hypothesis, never a failure of the case."""
     try:
-        return known(sig, drawn)
+        return judge(sig, drawn)
     except Exception as exc:
         raise _Escape(exc) from exc
 
@@ -270,33 +233,44 @@ class Property:
         """The same property over other strategies, e.g. a narrower case space."""
         return dataclasses.replace(self, strategies={**self.strategies, **strategies})
 
+    @functools.cached_property
+    def explains(self) -> bool:
+        """Whether its function takes ``explain``: which failures are worth two more runs."""
+        return "explain" in inspect.signature(self.fn).parameters
+
+    def call(self, pool, impl: str, drawn: dict, explain: Callable = worth_explaining,
+             history: list | None = None) -> None:
+        """The property once on ``drawn`` (again on fresh ranks should a rank die: on_fresh_ranks)."""
+        extra = {"explain": explain} if self.explains else {}
+        on_fresh_ranks(lambda: self.fn(pool, impl, **drawn, **extra), history=history, case=drawn)
+
     def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None,
-            known: set[str] | Judge | None = None, learn: bool = False) -> Stats:
+            judge: Judge | None = None) -> Stats:
         """Run under ``profile`` on ``pool``; raise the failures found, after shrinking.
 
-        ``impl`` names the implementation under test (see tpdp_verify.impls.select). ``known``,
-        the signature parts a baseline records for this property, or a ``Judge`` (the
-        baseline implementation run on the same case, tpdp_verify.runner.replay): an example
-        whose every failure is known is counted (``stats.known``) and the search goes on; only
-        new failures are raised, shrunk and replayed. ``learn`` (writing a baseline): a new
-        failure is added to ``known`` and kept with its case in ``stats.learned``, and the
-        search goes on, so that one search meets every failure it can; the cases are the
-        first that showed each failure, not shrunk. ``stats``, if given, is filled in as the
-        run goes, so it is there even when the run raises.
+        ``impl`` names the implementation under test (see tpdp_verify.impls.select). ``judge``
+        (tpdp_verify.runner.baseline): an example whose failure the baseline release shows on
+        the same case is counted (``stats.known``) and the search goes on; only failures it
+        calls NEW or CHANGED are raised, shrunk and replayed. ``stats``, if given, is filled
+        in as the run goes, so it is there even when the run raises.
         """
+        from tpdp_verify.runner.memo import key, printed
+
         stats = Stats() if stats is None else stats
         profile = self.under(profile)
-        known = {} if learn and known is None else known
-        if known is not None and not callable(known):
-            known = KnownParts(known)
+
+        given_as = inspect.signature(self.fn)  # hypothesis draws what the property takes, but ``explain``
+        taken = [p for p in given_as.parameters.values() if p.name != "explain"]
+        positional = [p.name for p in taken[2:]]
 
         @functools.wraps(self.fn)  # hypothesis names the test from the property
-        def run_one(*args, **kwargs):
+        def run_one(pool, impl, *args, explain=worth_explaining, **kwargs):
+            kwargs.update(zip(positional, args))  # hypothesis may pass them by position
             stats.examples += 1
             drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
-            _DRAWN.set(drawn)
+            where = key(self.name, pool.world_size, printed(drawn)[0])
             try:
-                on_fresh_ranks(self.fn, *args, history=stats.history, **kwargs)
+                self.call(pool, impl, kwargs, explain, stats.history)
             except UnsatisfiedAssumption:
                 stats.discarded += 1
                 raise
@@ -304,22 +278,24 @@ class Property:
                 found = finding(exc) if isinstance(exc, Exception) else None
                 if found is None:
                     raise _Escape(exc) from exc
-                if known is not None and _judged(known, found.signature, drawn):
-                    stats.known += 1
-                    stats.known_seen.setdefault(found.signature, drawn)
+                stats.ran[where] = found.signature
+                status = _judged(judge, found.signature, drawn) if judge is not None else ""
+                if status in GOES_ON:
+                    stats.known += status == "known"
+                    stats.not_asked += status == "not asked"
+                    stats.known_seen.setdefault(found.signature, (status, drawn))
                     return
-                if learn:
-                    known.learn(found.signature, drawn)
-                    stats.learned[region(drawn), found.signature] = (str(found), drawn)
-                    return
+                stats.statuses[found.signature] = status
                 stats.failing = stats.failures[found.signature] = drawn
                 if found is exc:
                     raise
                 raise found from exc
+            stats.ran[where] = ()
             stats.passed += 1
 
+        run_one.__signature__ = given_as.replace(parameters=taken)
+
         strategies = {k: s(pool.world_size) if callable(s) else s for k, s in self.strategies.items()}
-        token, drawn_token = _KNOWN.set(known), _DRAWN.set(None)
         try:
             self._cover(run_one, strategies, pool, impl, stats)
             self._search(run_one, strategies, pool, impl, profile, stats)
@@ -332,12 +308,9 @@ class Property:
             raise self._with_cover(group, stats) from None
         except Divergence as one:
             raise self._with_cover(one, stats) from None
-        finally:
-            _KNOWN.reset(token)
-            _DRAWN.reset(drawn_token)
         if stats.cover_failures:
             raise self._with_cover(None, stats)
-        if stats.passed + stats.known + len(stats.learned) == 0:
+        if stats.passed + stats.known + stats.not_asked == 0:
             raise AssertionError(
                 f"property {self.name} ran no example it could check ({stats}); its strategy "
                 "never produced a case it could check"
@@ -345,13 +318,22 @@ class Property:
         return stats
 
     def _cover(self, run_one, strategies: dict, pool, impl: str, stats: Stats) -> None:
-        """The cover phase: each case once, outside hypothesis; a failure is kept, not raised."""
+        """The cover phase: each case once, outside hypothesis; a failure is kept, not raised.
+        Explained (two more runs) only where it is reported: not where the baseline knows it."""
         for covered in self.cover(strategies) if self.cover else ():
             stats.covered += 1
             try:
-                run_one(pool, impl, **covered)
-            except Divergence as found:
-                stats.cover_failures.append((found, covered))
+                run_one(pool, impl, explain=never, **covered)
+            except Divergence:
+                try:
+                    self.call(pool, impl, covered, always)
+                except Divergence as explained:
+                    stats.cover_failures.append((explained, covered))
+                except Exception as exc:  # the second run met something else: the first's stands
+                    found = finding(exc)
+                    if found is None:
+                        raise
+                    stats.cover_failures.append((found, covered))
 
     def _search(self, run_one, strategies: dict, pool, impl: str, profile: Profile, stats: Stats) -> None:
         def note(statistics: dict) -> None:
@@ -391,18 +373,6 @@ class Property:
             f"    with RankPool({world_size}) as pool:\n"
             f"        {self.name}.fn(pool, {impl!r}{args})\n"
         )
-
-
-def case_types(value) -> set[type]:
-    """The project's dataclasses a drawn value is made of, nested ones included."""
-    if dataclasses.is_dataclass(value):
-        fields = (getattr(value, f.name) for f in dataclasses.fields(value))
-        return {type(value)}.union(*map(case_types, fields))
-    if isinstance(value, (tuple, list)):
-        return set().union(*map(case_types, value))
-    if isinstance(value, dict):
-        return set().union(*map(case_types, value.values()))
-    return set()
 
 
 def tpdp_property(*, min_world_size: int = 1, cover: Callable[[dict], list[dict]] | None = None,

@@ -1,25 +1,13 @@
-"""Known by replay: a failure is known when the baseline implementation shows it on the same case.
+"""The baseline release's side of a replay: a case run again, same case and seed, there.
 
-A baseline file records where one draw met each fault. Another draw (a seed, a profile, a
-new case dimension) meets the same faults in other cases, and a file cannot say whether the
-baseline torch fails there too. Replaying asks the baseline itself: each failure the search
-meets is run again, same case and seed, on the baseline side, and is known when the baseline
-shows every part of its signature there; anything more, or a departure the baseline does not
-show on that case, is NEW (even if its signature is recorded elsewhere). With the same code on
-both sides every failure is known by construction, whatever the seed, profile or case space.
+Two sides (tpdp_verify.runner.baseline chooses):
 
-Two sides:
-
-- ``ImplSide``: another implementation in this interpreter, on the same ranks
-  (``gate --impl CANDIDATE --baseline-impl torch``);
-- ``PythonSide``: another environment's interpreter (``gate --baseline-python PATH``, one
-  that holds the previous release), serving replays from its own process and its own ranks:
+- ``ImplSide``: another implementation in this interpreter, on the same ranks (torch, where
+  this interpreter's torch is the baseline release and the candidate is another
+  implementation: a mutant, the reference, a user's transform);
+- ``PythonSide``: another environment's interpreter (``--baseline-python PATH``, or one
+  installed into the cache), serving replays from its own process and its own ranks:
   nothing of the candidate's torch is imported there.
-
-A replay costs a run of the case, so a gate's replays have a budget: once spent, a failure
-every part of which the baseline has already shown for that property in the case's region
-is counted known without a run (and counted as judged so); one with a part it has not shown
-there is still replayed.
 """
 
 from __future__ import annotations
@@ -30,12 +18,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tpdp_verify import signature
 from tpdp_verify.errors import PoolError, UsageError
-from tpdp_verify.runner.property import Property, Stats, finding, on_fresh_ranks, region
+from tpdp_verify.runner.property import Property, finding, never
 
 
 class ReplayError(PoolError):
@@ -63,7 +50,7 @@ def run_case(prop: Property, pool, impl: str, drawn: dict) -> signature.Signatur
     """What ``prop`` shows on ``drawn`` with ``impl``: its signature, () when it passes (a
     death only the ranks' history causes is not the case's: on_fresh_ranks)."""
     try:
-        on_fresh_ranks(prop.fn, pool, impl, **drawn)
+        prop.call(pool, impl, drawn, never)
     except Exception as exc:
         found = finding(exc)
         if found is None:
@@ -102,9 +89,11 @@ class PythonSide:
         self.what = f"torch {self.torch} ({python})"
 
     def shows(self, prop: Property, pool, drawn: dict) -> signature.Signature:
-        from tpdp_verify.runner.baseline import entry
+        from tpdp_verify.runner.memo import printed
 
-        request = {**entry(prop.name, pool.world_size, (), drawn, "-").to_json(), "impl": "torch"}
+        case, types = printed(drawn)
+        request = {"property": prop.name, "world_size": pool.world_size, "case": case, "types": types,
+                   "impl": "torch"}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         reply = self._reply(f"replaying {prop.name}")
@@ -157,61 +146,6 @@ def _package_view(root: Path) -> None:
             (package / sub).symlink_to(where(f"tpdp_verify.{sub}"))
 
 
-class Budget:
-    """The seconds a gate may spend replaying before it judges by the parts already shown."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.spent = seconds, 0.0
-
-    @property
-    def left(self) -> bool:
-        return self.spent < self.seconds
-
-
-class Replayed:
-    """The judge of one property's search (tpdp_verify.runner.property.Judge)."""
-
-    def __init__(self, side, prop: Property, pool, stats: Stats, budget: Budget):
-        self.side, self.prop, self.pool, self.stats, self.budget = side, prop, pool, stats, budget
-        self.shown: dict[str, set[str]] = {}  # region -> every part the baseline showed there
-
-    def __call__(self, sig: signature.Signature, drawn: dict) -> bool:
-        if not sig:
-            return False
-        shown = self.shown.setdefault(region(drawn), set())
-        if not self.budget.left and set(sig) <= shown:
-            self.stats.by_parts += 1
-            return True
-        start = time.monotonic()
-        now = self.side.shows(self.prop, self.pool, drawn)
-        seconds = time.monotonic() - start
-        self.stats.replays += 1
-        self.stats.replay_seconds += seconds
-        self.budget.spent += seconds
-        shown.update(now)
-        return set(sig) <= set(now)
-
-
-def judge(outcomes):
-    """The run's findings as a baseline judgement: what the search raised is NEW (the baseline
-    did not show it on its case), what it counted as known is known."""
-    from tpdp_verify.runner.baseline import Judgement, entry
-
-    out = Judgement()
-    for o in outcomes:
-        for i, f in enumerate(o.findings):
-            if f.drawn is None:
-                continue
-            listed = entry(o.property, o.world_size, f.signature, f.drawn, f.failure or f.kind)
-            if f.status == "known":
-                out.known.append(listed)
-            else:
-                o.findings[i] = f._replace(status="NEW")
-                out.new.append(listed)
-        o.judged()
-    return out
-
-
 # --------------------------------------------------------------------------- the server
 
 
@@ -223,7 +157,7 @@ def serve(suite_name: str, backend: str, timeout: float, rank_output: str) -> No
         import torch
 
         from tpdp_verify.ranks.pool import RankPool
-        from tpdp_verify.runner.baseline import Known
+        from tpdp_verify.runner.memo import rebuild
         from tpdp_verify.runner.suite import load
     except ImportError as exc:
         _send(replies, {"error": f"cannot import {exc.name or exc}: install tpdp-verify's dependencies there "
@@ -242,8 +176,8 @@ def serve(suite_name: str, backend: str, timeout: float, rank_output: str) -> No
                 if world_size not in pools:
                     pools[world_size] = RankPool(world_size, backend, timeout=timeout, output=rank_output or None)
                     pools[world_size].__enter__()
-                listed = Known(request["property"], world_size, (), request["case"], tuple(request["types"]))
-                shown = run_case(suite[request["property"]], pools[world_size], request["impl"], listed.drawn())
+                drawn = rebuild(request["case"], tuple(request["types"]))
+                shown = run_case(suite[request["property"]], pools[world_size], request["impl"], drawn)
                 _send(replies, {"signature": list(shown)})
             except Exception as exc:  # the harness here: the candidate reports it, exit 3
                 _send(replies, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})

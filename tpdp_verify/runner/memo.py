@@ -1,0 +1,160 @@
+"""What a baseline release answered, remembered by the exact case it was asked about.
+
+Known means "the baseline release shows the same failure on the same case". Asking costs a
+run of the case on that release (tpdp_verify.runner.baseline), so each answer is kept: the
+property, the world size and the case's printed form (its seed and sizes included) are the
+key, the signature the release showed there (``()``: it passes) the answer. A memo holds
+answers of one release under one ``HARNESS`` revision, the other thing that decides what a
+case computes; a memo of another revision answers nothing.
+
+Two files are read: the memo tpdp-verify ships (``tpdp_verify/memos/torch-<release>.json``,
+the fixed draws of smoke, ci and release), and the user's (under the cache directory),
+to which a run adds what it asked. Nothing here knows a case it was not asked about.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpdp_verify import signature
+from tpdp_verify.cases import case_types
+from tpdp_verify.errors import UsageError
+from tpdp_verify.files import write_whole
+
+SCHEMA = 3
+# Bump when a change of tpdp-verify alters what a case computes or how its failure is named
+# (a check renamed, a value compared anew): the answers kept under the old revision no longer
+# say what the release does on the case as it now runs.
+HARNESS = 1
+SHIPPED = Path(__file__).parent.parent / "memos"
+
+
+def cache_dir() -> Path:
+    """Where tpdp-verify keeps what it learns between runs: $TPDP_VERIFY_CACHE, else
+    $XDG_CACHE_HOME/tpdp-verify, else ~/.cache/tpdp-verify."""
+    given = os.environ.get("TPDP_VERIFY_CACHE")
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpdp-verify"
+
+
+def key(prop: str, world_size: int, case: dict[str, str]) -> str:
+    """A case's identity: its property, world size and printed form (argument -> repr)."""
+    return json.dumps([prop, world_size, sorted(case.items())], separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Asked:
+    """One answer: the case as the baseline was asked (reprs, and the types to rebuild it)."""
+
+    property: str
+    world_size: int
+    case: dict
+    types: tuple
+    signature: signature.Signature  # what the release showed; () where it passes
+
+    @property
+    def key(self) -> str:
+        return key(self.property, self.world_size, self.case)
+
+    def drawn(self) -> dict:
+        """The case rebuilt from its printed form, as a replay script does."""
+        return rebuild(self.case, self.types)
+
+    def to_json(self) -> dict:
+        return {"property": self.property, "world_size": self.world_size, "case": self.case,
+                "types": list(self.types), "signature": list(self.signature)}
+
+
+def printed(drawn: dict) -> tuple[dict, tuple]:
+    """A drawn case as the memo keeps it: argument -> repr, and the project's types it names."""
+    types = tuple(sorted(f"{t.__module__}:{t.__qualname__}" for t in case_types(drawn)))
+    return {k: repr(v) for k, v in drawn.items()}, types
+
+
+def rebuild(case: dict, types: tuple) -> dict:
+    import importlib
+
+    import torch
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    names = {"torch": torch, "Replicate": Replicate, "Shard": Shard, "Partial": Partial}
+    for path in types:
+        module, _, qualname = path.partition(":")
+        top = qualname.split(".")[0]
+        try:
+            names[top] = getattr(importlib.import_module(module), top)
+        except (ImportError, AttributeError):
+            raise UsageError(f"a memo's case names the type {path}, which this tpdp-verify does not have: "
+                             "delete the memo (it is asked again)") from None
+    return {k: eval(v, names) for k, v in case.items()}  # noqa: S307: reprs tpdp-verify wrote
+
+
+@dataclass
+class Memo:
+    release: str  # the torch release answering, as pip spells it: 2.13.0
+    answers: dict[str, Asked] = field(default_factory=dict)
+    added: dict[str, Asked] = field(default_factory=dict)  # asked during this run: to be saved
+
+    def get(self, prop: str, world_size: int, case: dict) -> Asked | None:
+        return self.answers.get(key(prop, world_size, case))
+
+    def put(self, asked: Asked) -> None:
+        self.answers[asked.key] = self.added[asked.key] = asked
+
+    def failing(self, prop: str, world_size: int) -> list[Asked]:
+        """The cases of one search on which the release fails: those a run reruns to tell FIXED."""
+        return [a for a in self.answers.values() if a.property == prop and a.world_size == world_size and a.signature]
+
+    @classmethod
+    def load(cls, release: str, paths: list[Path]) -> "Memo":
+        memo = cls(release)
+        for path in paths:
+            for asked in read(path, release):
+                memo.answers[asked.key] = asked
+        return memo
+
+    def save(self, path: Path) -> int:
+        """Add this run's answers to the memo at ``path`` (others may have added theirs since:
+        read, merged and written whole under a lock); the number it holds."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            held = {a.key: a for a in read(path, self.release)}
+            held.update(self.added)
+            doc = {"schema": SCHEMA, "harness": HARNESS, "torch": self.release,
+                   "asked": [a.to_json() for a in sorted(held.values(), key=lambda a: (a.property, a.world_size,
+                                                                                      a.key))]}
+            write_whole(str(path), json.dumps(doc, indent=0, separators=(",", ":")) + "\n")
+        return len(held)
+
+
+def read(path: Path, release: str) -> list[Asked]:
+    """The answers a memo file holds for ``release`` under this HARNESS revision; none if it
+    is missing, or of another revision or release (its answers do not hold here)."""
+    if not path.exists():
+        return []
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the memo {path}: {exc}; delete it (its cases are asked again)") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("harness") != HARNESS \
+            or doc.get("torch") != release:
+        return []
+    try:
+        return [Asked(a["property"], a["world_size"], a["case"], tuple(a["types"]), signature.of(a["signature"]))
+                for a in doc["asked"]]
+    except (KeyError, TypeError) as exc:
+        raise UsageError(f"{path}: an answer lacks {exc}; delete the memo (its cases are asked again)") from None
+
+
+def shipped(release: str) -> Path:
+    return SHIPPED / f"torch-{release}.json"
+
+
+def users(release: str) -> Path:
+    return cache_dir() / "memos" / f"torch-{release}.json"
