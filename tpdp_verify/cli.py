@@ -549,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     except PoolError as exc:
         print(f"tpdp-verify: infrastructure failure: {exc}", file=sys.stderr)
         return EXIT_INFRA
+    except BrokenPipeError:  # the reader went away (tpdp-verify memo | head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered goes nowhere
+        return EXIT_OK
     except KeyboardInterrupt as exc:  # where a command had nothing to write yet (env, or before its run)
         stopped = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)  # Python's own handler raised it
         print(f"tpdp-verify: interrupted by {stopped.name}", file=sys.stderr)

@@ -122,7 +122,7 @@ class Memo:
         """Add this run's answers to the memo at ``path`` (others may have added theirs since:
         read, merged and written whole under a lock); the number it holds."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "w") as lock:
+        with open(_lock(path), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             held = {a.key: a for a in read(path, self.release)}
             held.update(self.added)
@@ -131,6 +131,15 @@ class Memo:
                                                                                       a.key))]}
             write_whole(str(path), json.dumps(doc, indent=0, separators=(",", ":")) + "\n")
         return len(held)
+
+
+def _lock(path: Path) -> Path:
+    """The lock of a memo file, in the cache: never beside the file (the shipped one is in the package)."""
+    import hashlib
+
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + ".lock")
 
 
 def read(path: Path, release: str) -> list[Asked]:
