@@ -161,11 +161,11 @@ def judged_search(prop: Property, pool: RankPool, impl: str, profile: Profile, b
 
 def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, baseline, seconds: float) -> None:
     """The release's failing cases of this search, on the candidate: FIXED where it passes,
-    CHANGED where it fails otherwise. Cases the search ran are judged by that run; the others
-    run while ``seconds`` last (a recorded hang only while its timeout fits)."""
-    from tpdp_verify.runner.memo import key
-
+    CHANGED where it fails otherwise; a finding for each way, with the first case and how
+    many showed it. Cases the search ran are judged by that run; the others run while
+    ``seconds`` last (a recorded hang only while its timeout fits)."""
     stats, start = outcome.stats, time.monotonic()
+    ways: dict[tuple, list] = {}  # (status, what the release showed, what the candidate shows) -> cases
     for asked in baseline.memo.failing(prop.name, pool.world_size):
         now = stats.ran.get(asked.key)
         if now is None:
@@ -173,27 +173,30 @@ def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, bas
             if left <= 0 or (signature.HANG in asked.signature and pool.timeout > left):
                 stats.not_rerun += 1
                 continue
-            drawn = asked.drawn()
-            try:
-                prop.call(pool, impl, drawn, never)
-                now = ()
-            except Exception as exc:
-                found = finding(exc)
-                if found is None:
-                    raise _internal(prop.name, exc) from exc
-                now = found.signature
-            stats.ran[key(prop.name, pool.world_size, asked.case)] = now
+            now = stats.ran[asked.key] = _signature_of(prop, pool, impl, asked.drawn())
             stats.reran += 1
-        if not now:
-            verdict = "FIXED"
-        else:
-            verdict = status(now, asked.signature)
-            if verdict == "known" or any(f.signature == now for f in outcome.findings):
-                continue  # the release's failure, or one the search reported already
+        verdict = "FIXED" if not now else status(now, asked.signature)
+        if verdict != "known":
+            ways.setdefault((verdict, asked.signature, now), []).append(asked)
+    for (verdict, was, now), cases in ways.items():
+        if any((f.signature, f.status) == (now, verdict) for f in outcome.findings):
+            continue  # reported by the search already
         said = "passes" if not now else " + ".join(signature.describe(p) for p in now)
-        was = " + ".join(signature.describe(p) for p in asked.signature)
-        text = f"torch {baseline.release} fails this case ({was}); the candidate {said}"
-        outcome.findings.append(_finding(prop, pool, impl, text, now or asked.signature, asked.drawn(), verdict))
+        text = (f"torch {baseline.release} fails {len(cases)} case{'s' * (len(cases) > 1)} of this search with "
+                f"{' + '.join(signature.describe(p) for p in was)}; the candidate {said} (the first below)")
+        outcome.findings.append(_finding(prop, pool, impl, text, now or was, cases[0].drawn(), verdict))
+
+
+def _signature_of(prop: Property, pool: RankPool, impl: str, drawn: dict) -> signature.Signature:
+    """What the candidate shows on ``drawn``, outside hypothesis: () where it passes."""
+    try:
+        prop.call(pool, impl, drawn, never)
+    except Exception as exc:
+        found = finding(exc)
+        if found is None:
+            raise _internal(prop.name, exc) from exc
+        return found.signature
+    return ()
 
 
 def _internal(name: str, exc: BaseException) -> BaseException:
