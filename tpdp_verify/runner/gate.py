@@ -166,6 +166,7 @@ def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, bas
     ``seconds`` last (a recorded hang only while its timeout fits)."""
     stats, start = outcome.stats, time.monotonic()
     ways: dict[tuple, list] = {}  # (status, what the release showed, what the candidate shows) -> cases
+    said: dict[signature.Signature, str] = {}  # what the candidate said, a failure each way
     for asked in baseline.memo.failing(prop.name, pool.world_size):
         now = stats.ran.get(asked.key)
         if now is None:
@@ -173,7 +174,9 @@ def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, bas
             if left <= 0 or (signature.HANG in asked.signature and pool.timeout > left):
                 stats.not_rerun += 1
                 continue
-            now = stats.ran[asked.key] = _signature_of(prop, pool, impl, asked.drawn())
+            now, text = _run_once(prop, pool, impl, asked.drawn())
+            stats.ran[asked.key] = now
+            said.setdefault(now, text)
             stats.reran += 1
         verdict = "FIXED" if not now else status(now, asked.signature)
         if verdict != "known":
@@ -181,22 +184,24 @@ def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, bas
     for (verdict, was, now), cases in ways.items():
         if any((f.signature, f.status) == (now, verdict) for f in outcome.findings):
             continue  # reported by the search already
-        said = "passes" if not now else " + ".join(signature.describe(p) for p in now)
+        does = "passes" if not now else " + ".join(signature.describe(p) for p in now)
         text = (f"torch {baseline.release} fails {len(cases)} case{'s' * (len(cases) > 1)} of this search with "
-                f"{' + '.join(signature.describe(p) for p in was)}; the candidate {said} (the first below)")
-        outcome.findings.append(_finding(prop, pool, impl, text, now or was, cases[0].drawn(), verdict))
+                f"{' + '.join(signature.describe(p) for p in was)}; the candidate {does} (the first below)")
+        outcome.findings.append(_finding(prop, pool, impl, "\n".join(filter(None, [text, said.get(now, "")])),
+                                         now or was, cases[0].drawn(), verdict))
 
 
-def _signature_of(prop: Property, pool: RankPool, impl: str, drawn: dict) -> signature.Signature:
-    """What the candidate shows on ``drawn``, outside hypothesis: () where it passes."""
+def _run_once(prop: Property, pool: RankPool, impl: str, drawn: dict) -> tuple[signature.Signature, str]:
+    """What the candidate shows on ``drawn``, outside hypothesis, and its failure's text:
+    ((), "") where it passes."""
     try:
         prop.call(pool, impl, drawn, never)
     except Exception as exc:
         found = finding(exc)
         if found is None:
             raise _internal(prop.name, exc) from exc
-        return found.signature
-    return ()
+        return found.signature, f"{type(found).__module__}.{type(found).__qualname__}: {found}"
+    return (), ""
 
 
 def _internal(name: str, exc: BaseException) -> BaseException:
