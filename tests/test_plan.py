@@ -144,8 +144,9 @@ def test_a_parallelize_function_that_wraps_dp_itself_is_driven_as_it_wraps():
 def test_a_parallelize_function_that_shards_over_the_whole_mesh_is_driven_in_the_spmd_form():
     """fully_shard(mesh=<the whole mesh>, dp_mesh_dims=...) in the user's own function: the
     tool finds the SPMD form and feeds it batches as DTensors sharded on dp. With fault 17's
-    workaround it trains exactly; as documented it scales gradients by 1/dp, which the
-    shipped baseline knows in that form."""
+    workaround it trains exactly; as documented it scales gradients by 1/dp, and nothing in
+    the run shows that to be torch's (the reference does not replace FSDP2's reduction, and
+    a function that wraps DP itself has no run without TP): the plan's, until shown otherwise."""
     with RankPool(4) as four:
         fixed = verify(None, parallelize_fn=um.parallelize_spmd_undivided, dp="own", mesh=(2, 1, 2), steps=2,
                        pool=four, impl="torch")
@@ -155,9 +156,8 @@ def test_a_parallelize_function_that_shards_over_the_whole_mesh_is_driven_in_the
     lines = {x.check: x for x in fixed.lines}
     assert lines["plan keys resolve"].detail.endswith("wrapped DP itself (fully_shard(dp_mesh_dims=replicate))")
     assert lines["gradients vs one device"].compared > 0
-    assert documented.status == "KNOWN" and documented.ok, str(documented)
-    known = json.loads(documented.to_json())["known"]
-    assert any(k["part"] == "value:gradient" for k in known) and all("dp_mesh_dimsreplicate" in k["entry"] for k in known), known
+    assert documented.status == "DIVERGES" and not documented.ok, str(documented)
+    assert any(n["part"] == "value:gradient" for n in json.loads(documented.to_json())["new"])
 
 
 def test_a_function_wrapping_ddp_itself_is_assembled_from_its_local_shards(pool):

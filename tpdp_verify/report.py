@@ -178,12 +178,15 @@ class Report:
                 f"{'s' if c.steps > 1 else ''}, {c.dtype}: {status}")
 
     def _known_lines(self) -> list[str]:
+        """With a baseline: the departures the run shows to be torch's, with the evidence, and the plan's."""
         known, new = self._parts(known=True), self._parts(known=False)
-        if not known:
+        if not self.baseline or not (known or new):
             return []
-        out = ["", "torch's faults, not the plan's: the run shows each to be torch's "
-                   "(docs/known-divergences.md says how to avoid them)"]
-        out += [f"  {describe(p)} (vs {against}): {self.known[against][p]}" for against, p in known]
+        out = [""]
+        if known:
+            out += ["torch's faults, not the plan's: the run shows each to be torch's "
+                    "(docs/known-divergences.md says how to avoid them)"]
+            out += [f"  {describe(p)} (vs {against}): {self.known[against][p]}" for against, p in known]
         if new:
             out += ["the plan's departures (the run does not show them to be torch's): "
                     + ", ".join(f"{describe(p)} (vs {against})" for against, p in new)]

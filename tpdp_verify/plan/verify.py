@@ -116,13 +116,15 @@ OWN_DP = "parallelize_fn wraps DP itself (dp='own'), so there is no run without 
 
 
 REFERENCE = "with tpdp-verify's reference transform in torch's place, the same run does not show it"
+DP_ALONE = "the same DP entry point without TP departs alike: TP+DP matches it within its bound"
 
 
 def _torch_faults(pool, case: TrainCase, one, plain) -> dict:
     """Per oracle, each part of a departure that the run itself shows to be torch's -> why:
     the same case with the reference transform (tpdp_verify.impls) in torch's place does not
-    show it. A part the reference run shows too is the plan's; so is everything where that
-    run could not be made."""
+    show it; or, against one device, the same DP without TP departs alike (TP+DP matched it,
+    value by value). A part neither shows is the plan's; so is everything where the
+    reference run could not be made."""
     from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 
     runs = {"one device": (one, lambda: verdict_one_device(pool, "reference", case, lambda sig: False)),
@@ -136,6 +138,8 @@ def _torch_faults(pool, case: TrainCase, one, plain) -> dict:
         except (PoolError, RankFailed):
             continue
         out[against] = {p: REFERENCE for p in verdict.signature if p not in reference.signature}
+    if not one.ok and plain.ok and (plain.checks or plain.rows):  # DP's own departure, TP added none
+        out["one device"] = {p: DP_ALONE for p in one.signature} | out.get("one device", {})
     return out
 
 
