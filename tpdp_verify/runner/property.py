@@ -9,10 +9,10 @@ so that a property whose strategy was filtered away cannot pass silently.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ from tpdp_verify import signature
 from tpdp_verify.cases import case_types
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.judging.divergence import Divergence, divergence
+from tpdp_verify.runner.memo import key, printed
 from tpdp_verify.runner.profiles import Profile
 
 
@@ -235,8 +236,9 @@ class Property:
 
     @functools.cached_property
     def explains(self) -> bool:
-        """Whether its function takes ``explain``: which failures are worth two more runs."""
-        return "explain" in inspect.signature(self.fn).parameters
+        """Whether its function takes ``explain``: which failures are worth two more runs (its
+        own parameters: a wrapper's ``functools.wraps`` would show the wrapped function's)."""
+        return "explain" in inspect.signature(self.fn, follow_wrapped=False).parameters
 
     def call(self, pool, impl: str, drawn: dict, explain: Callable = worth_explaining,
              history: list | None = None) -> None:
@@ -254,8 +256,6 @@ class Property:
         calls NEW or CHANGED are raised, shrunk and replayed. ``stats``, if given, is filled
         in as the run goes, so it is there even when the run raises.
         """
-        from tpdp_verify.runner.memo import key, printed
-
         stats = Stats() if stats is None else stats
         profile = self.under(profile)
 
