@@ -201,3 +201,19 @@ def test_a_release_that_cannot_be_asked_is_no_verdict_never_known_nor_new(tmp_pa
     assert "no environment of torch 2.12.1 (--no-install)" in out.stdout and "not asked" in out.stdout
     record = json.loads((tmp_path / "g.json").read_text())
     assert record["baseline"]["not_asked"] > 0 and record["baseline"]["new"] == record["baseline"]["known"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_release_that_cannot_be_installed_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """No such torch on the index: one line that says what to do, no half-made environment
+    (the next run tries again), and the baseline then answers nothing: not asked."""
+    from tpdp_verify.runner import provision
+
+    monkeypatch.setenv("TPDP_VERIFY_CACHE", str(tmp_path))
+    said = []
+    with pytest.raises(UsageError, match=r"could not install torch==0\.0\.1 .*--baseline-python PATH"):
+        provision.environment("0.0.1", said.append)
+    assert said and said[0].startswith("baseline: installing torch==0.0.1 once into ")
+    assert not provision.where("0.0.1").exists()
+    release = Baseline("0.0.1", memo_path=tmp_path / "m.json", progress=said.append)
+    assert release.side() is None and "could not install torch==0.0.1" in release.unavailable
