@@ -20,11 +20,18 @@ def test_editable_install_maps_the_top_level_folders():
         assert Path(module.__file__).parent == ROOT / folder
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from this source tree."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), str(ROOT)],
+                   check=True, timeout=280)
+    (built,) = out.glob("tpdp_verify-*.whl")
+    return built
+
+
 @pytest.mark.timeout(300)
-def test_wheel_holds_one_namespace_and_both_entry_points(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path),
-                    str(ROOT)], check=True, timeout=280)
-    (wheel,) = tmp_path.glob("tpdp_verify-*.whl")
+def test_wheel_holds_one_namespace_and_both_entry_points(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ["tpdp_verify/ranks/pool.py", "tpdp_verify/oracles/__init__.py",
                      "tpdp_verify/properties/roundtrip.py", "tpdp_verify/fixtures/__init__.py",
@@ -53,3 +60,69 @@ def test_pyproject_lists_every_package_of_the_source_tree():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert "tpdp_verify.plan" in _source_packages()  # the one a hand-kept list once left out
     assert listed == _source_packages()
+
+
+USER = """
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def make():
+    return MLP()
+
+
+def inputs(n, generator):
+    return torch.randn(n, 4, generator=generator)
+"""
+
+PYTEST_USER = """
+from mlp import PLAN, inputs, make
+
+
+def test_my_plan(tpdp):
+    assert tpdp.verify_plan(make, PLAN, input_fn=inputs, dp="fsdp2").ok
+"""
+
+
+@pytest.mark.timeout(600)
+def test_the_installed_wheel_verifies_a_plan_from_outside_the_repository(wheel, tmp_path):
+    """The wheel in a fresh venv with the pinned torch, used from a folder that is not the
+    repository: verify_plan in Python, tpdp-verify plan, and the pytest fixture."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "-c", str(ROOT / "constraints.txt"), str(wheel)],
+                   check=True, timeout=480, capture_output=True)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "mlp.py").write_text(USER)
+    (user / "test_mine.py").write_text(PYTEST_USER)
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+
+    def run(*command):
+        return subprocess.run(command, cwd=user, env=env, capture_output=True, text=True, timeout=300)
+
+    python_api = run(python, "-c", "from tpdp_verify import verify_plan\nfrom mlp import PLAN, inputs, make\n"
+                     "if __name__ == '__main__':\n"
+                     "    report = verify_plan(make, PLAN, input_fn=inputs, dp='fsdp2')\n"
+                     "    print(report.status)")
+    assert python_api.returncode == 0 and python_api.stdout.splitlines()[-1] == "PASS", python_api.stderr[-2000:]
+    cli = run(str(venv / "bin" / "tpdp-verify"), "plan", "mlp:make", "--plan", "mlp:PLAN", "--input", "mlp:inputs",
+              "--dp", "fsdp2")
+    assert cli.returncode == 0 and ": PASS" in cli.stdout.splitlines()[0], cli.stdout[-2000:] + cli.stderr[-2000:]
+    fixture = run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py")
+    assert fixture.returncode == 0 and "1 passed" in fixture.stdout, fixture.stdout[-3000:]
+    assert not any(str(ROOT) in p for p in run(python, "-c", "import tpdp_verify, tpdp_verify.plan;"
+                                               "print(tpdp_verify.__file__, tpdp_verify.plan.__file__)").stdout.split())
