@@ -158,3 +158,15 @@ def test_a_plan_report_files_every_kind_of_value_the_training_judge_compares():
     one = Verdict(rows=[Row(kind, 1, "x", Error(0.0, 0.0, 1.0)) for kind in kinds])
     report = Report.of(TrainCase(model="m:make", mesh_shape=(1, 2)), 1, one, Verdict(against="plain DDP"), "replay")
     assert sum(line.compared for line in report.lines) == 1 + len(kinds)  # the plan key, then each value
+
+
+def test_each_run_logs_under_the_cache_and_only_the_newest_runs_are_kept(tmp_path, monkeypatch):
+    """Rank logs live in one directory a run under the cache's runs/, never in the temp dir,
+    and the oldest beyond RUNS_KEPT go (an afternoon of runs once left 30 there)."""
+    from tpdp_verify import files
+
+    monkeypatch.setenv("TPDP_VERIFY_CACHE", str(tmp_path))
+    made = [files.run_directory() for _ in range(files.RUNS_KEPT + 5)]
+    kept = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(kept) == files.RUNS_KEPT and all(m.startswith(str(tmp_path / "runs")) for m in made)
+    assert kept == [__import__("os").path.basename(m) for m in made][-files.RUNS_KEPT:]  # the newest

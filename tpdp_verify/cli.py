@@ -150,11 +150,12 @@ def _quiet(args: argparse.Namespace) -> str | None:
     """Unless -v: the directory the ranks' output goes to, and torch's warnings in this process off."""
     if args.verbose:
         return None
-    import tempfile
     import warnings
 
+    from tpdp_verify.files import run_directory
+
     warnings.filterwarnings("ignore", module=r"torch(\.|$)")
-    return tempfile.mkdtemp(prefix="tpdp-verify-ranks-")
+    return run_directory()
 
 
 def _said_where(logs: str | None) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -119,8 +118,9 @@ class SuiteRun:
     def pools(self):
         from tpdp_verify.ranks.pool import Pools
 
-        return Pools(self.backend, self.timeout, tempfile.mkdtemp(prefix="tpdp-verify-ranks-") if self.rank_output
-                     else None)
+        from tpdp_verify.files import run_directory
+
+        return Pools(self.backend, self.timeout, run_directory() if self.rank_output else None)
 
     @functools.cached_property
     def judge(self):

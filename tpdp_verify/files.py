@@ -1,6 +1,7 @@
-"""Writing a file whole or not at all: what every output and the baseline file need, so
-that a run killed at any moment leaves the previous file or the complete new one, never
-half of one that CI would read as a verdict."""
+"""Where tpdp-verify writes: a file whole or not at all (what every output and the memo
+need, so that a run killed at any moment leaves the previous file or the complete new one,
+never half of one that CI would read as a verdict); and the cache directory, which holds
+the user's memo, the environments of baseline releases and each run's rank logs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import contextlib
 import os
 import stat
 import tempfile
+import time
+from pathlib import Path
 
 
 def write_whole(path: str, text: str) -> None:
@@ -37,3 +40,30 @@ def _umask() -> int:
     mask = os.umask(0o022)  # the only way to read it is to set it: set it back at once
     os.umask(mask)
     return mask
+
+
+RUNS_KEPT = 20  # rank-log directories kept in the cache: the newest, one a run
+
+
+def cache_dir() -> Path:
+    """$TPDP_VERIFY_CACHE, else $XDG_CACHE_HOME/tpdp-verify, else ~/.cache/tpdp-verify."""
+    given = os.environ.get("TPDP_VERIFY_CACHE")
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpdp-verify"
+
+
+def run_directory() -> str:
+    """A fresh directory for one run's rank logs, under the cache's runs/ (named by when it
+    started); the oldest beyond RUNS_KEPT are removed, so an afternoon of runs leaves 20,
+    not one a run in the temp dir."""
+    import shutil
+
+    runs = cache_dir() / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    now = time.time_ns()
+    made = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-", time.localtime(now / 1e9))
+                            + f"{now % 10**9:09d}-", dir=runs)
+    for old in sorted(runs.iterdir(), key=lambda p: p.name)[:-RUNS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return made

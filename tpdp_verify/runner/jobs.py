@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 from tpdp_verify.errors import PoolError
+from tpdp_verify.files import run_directory
 from tpdp_verify.interrupts import Interrupted
 
 RANK_GIB = 1.0  # a rank's resident memory, about, at the suite's sizes (docs/performance.md)
@@ -36,7 +36,7 @@ def run(gate_args: list[str], n: int, progress=print) -> tuple[list[tuple[str, d
     the signal that stopped the run, if one did (every part then wrote what it judged)."""
     from tpdp_verify.runner.merge import load
 
-    directory = Path(tempfile.mkdtemp(prefix="tpdp-verify-jobs-"))
+    directory = Path(run_directory())  # the parts' records, kept with the cache's newest runs
     paths = [directory / f"part{k}.json" for k in range(1, n + 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "tpdp_verify", "gate", *gate_args, "--shard", f"{k}/{n}",
                                "--json", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpdp_verify import signature
 from tpdp_verify.cases import case_types
 from tpdp_verify.errors import UsageError
-from tpdp_verify.files import write_whole
+from tpdp_verify.files import cache_dir, write_whole
 
 SCHEMA = 3
 # Bump when a change of tpdp-verify alters what a case computes or how its failure is named
@@ -31,15 +30,6 @@ SCHEMA = 3
 # say what the release does on the case as it now runs.
 HARNESS = 1
 SHIPPED = Path(__file__).parent.parent / "memos"
-
-
-def cache_dir() -> Path:
-    """Where tpdp-verify keeps what it learns between runs: $TPDP_VERIFY_CACHE, else
-    $XDG_CACHE_HOME/tpdp-verify, else ~/.cache/tpdp-verify."""
-    given = os.environ.get("TPDP_VERIFY_CACHE")
-    if given:
-        return Path(given)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpdp-verify"
 
 
 def key(prop: str, world_size: int, case: dict[str, str]) -> str:

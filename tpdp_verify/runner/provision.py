@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tpdp_verify.errors import UsageError
-from tpdp_verify.runner.memo import cache_dir
+from tpdp_verify.files import cache_dir
 
 READY = ".tpdp-verify-ready"  # written last: a venv without it was cut short, and is made again
 
