@@ -434,3 +434,13 @@ def test_an_internal_error_exits_3_with_one_line_and_a_log(tmp_path, monkeypatch
     assert "KeyError: 'no such key'" in Path(log).read_text() and "_broken_judge" in Path(log).read_text()
     record = json.loads((tmp_path / "gate.json").read_text())
     assert record["exit_code"] == 3 and log in record["error"]
+
+
+def test_a_usage_error_still_writes_the_outputs_asked_for(tmp_path):
+    """Exit 2 with --json, --junit and --markdown: each written, saying the input was refused."""
+    files = {fmt: tmp_path / f"out.{fmt}" for fmt in ("json", "junit", "markdown")}
+    out = cli("gate", "-k", "and and", *(a for fmt, path in files.items() for a in (f"--{fmt}", str(path))))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    record = json.loads(files["json"].read_text())
+    assert record["exit_code"] == 2 and record["usage_error"] in out.stderr
+    assert 'type="usage"' in files["junit"].read_text() and "usage error" in files["markdown"].read_text()

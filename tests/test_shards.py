@@ -228,3 +228,17 @@ def test_the_suite_as_pytest_items_over_two_workers_gives_the_gates_verdicts(smo
     known = {p.get("value") for p in ET.parse(tmp_path / "items.xml").getroot().iter("property")
              if p.get("name") == "known"}
     assert known  # the known faults an item passes with are in its JUnit properties
+
+
+def test_the_k_names_listed_in_cli_md_are_the_suites_and_its_examples_select_what_it_says():
+    from tpdp_verify.runner.suite import load
+
+    doc = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    names = [p.name for p in load("tpdp_verify.properties").properties]
+    section = doc[doc.index("### Selecting searches (`-k`)"):doc.index("### Splitting a run")]
+    assert all(f"`{n}`" in section for n in names)
+    every = [(n, 2) for n in names]
+    picked = {n for n, _ in selection.select(every, "trains", None, PROFILES["ci"])}
+    assert "entry_points_train_like_one_device" not in picked and "trains_like_one_device" in picked
+    training = {n for n, _ in selection.select(every, "train_like or trains_like", None, PROFILES["ci"])}
+    assert {"entry_points_train_like_one_device", "losses_train_like_one_device"} <= training

@@ -546,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             return COMMANDS[args.command](args)
     except UsageError as exc:
         print(f"tpdp-verify: error: {exc}", file=sys.stderr)
+        _usage_outputs(args, str(exc))
         return EXIT_USAGE
     except PoolError as exc:
         print(f"tpdp-verify: infrastructure failure: {exc}", file=sys.stderr)
@@ -561,6 +562,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpdp-verify: internal error: {type(exc).__name__}: {exc}; the traceback is in "
               f"{_internal_log(exc)}", file=sys.stderr)
         return EXIT_INFRA
+
+
+def _usage_outputs(args: argparse.Namespace, message: str) -> None:
+    """The output files asked for, saying the input was refused: CI reads an error there,
+    never a stale verdict. A path that cannot take one (the usage error may be about it) is
+    left alone."""
+    from tpdp_verify import outputs
+
+    record = outputs.usage_record(args.command, message)
+    for fmt in ("json", "junit", "markdown"):
+        path = getattr(args, fmt, None)
+        if path:
+            with contextlib.suppress(UsageError):
+                outputs.write({f"--{fmt}": path}, record)
 
 
 def console() -> None:

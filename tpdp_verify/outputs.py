@@ -20,7 +20,7 @@ from importlib import metadata
 from typing import Callable
 
 from tpdp_verify.cases import mesh_text
-from tpdp_verify.errors import UsageError
+from tpdp_verify.errors import EXIT_USAGE, UsageError
 from tpdp_verify.files import write_whole
 
 # torch and the gate are imported where used: a bad output path fails before they load
@@ -237,12 +237,31 @@ def _plan_markdown(record: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def usage_record(command: str, message: str) -> dict:
+    """A command that refused its input (exit 2): what its outputs say, so that a CI job that
+    reads them finds a file, and an error, never last run's verdict or nothing."""
+    return {"schema": SCHEMA, "command": command, "tpdp_verify": _version(), "exit_code": EXIT_USAGE,
+            "usage_error": message}
+
+
+def _usage_junit(record: dict) -> str:
+    root = ET.Element("testsuites", name=f"tpdp-verify {record['command']}", tests="1", errors="1", failures="0")
+    suite = ET.SubElement(root, "testsuite", name=f"tpdp-verify {record['command']}", tests="1", errors="1",
+                          failures="0")
+    case = ET.SubElement(suite, "testcase", classname="tpdp_verify.cli", name="usage", time="0")
+    ET.SubElement(case, "error", message=_one_line(record["usage_error"]), type="usage")
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
 def to_junit(record: dict) -> str:
     """One <testsuite> of one <testcase> per property and world size: a blocking divergence
     (new, changed, or any without a baseline) is a <failure>, a harness failure (no verdict) an
     <error>, and so is a run that stopped early. A property whose failures a baseline all
     knows passes, its known findings listed in <system-out>: CI is green exactly when the
     gate exits 0, and an interrupted run is never green."""
+    if "usage_error" in record:
+        return _usage_junit(record)
     if record["command"] == "plan":
         return _plan_junit(record)
     props, counts, error = record["properties"], record["counts"], record["error"]
@@ -280,6 +299,8 @@ def to_junit(record: dict) -> str:
 
 def to_markdown(record: dict) -> str:
     """A table for people (a CI job summary, a pull request), then each failure's report."""
+    if "usage_error" in record:
+        return f"# tpdp-verify {record['command']}: usage error (exit 2)\n\n{record['usage_error']}\n"
     if record["command"] == "plan":
         return _plan_markdown(record)
     c = record["counts"]
