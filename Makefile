@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/tpdp-verify gate --profile smoke; rc=$$?; \
 	if [ $$rc -eq 1 ]; then echo "demo: the gate found divergences in torch (above); exit code 1 is that verdict"; fi; \
+	echo; echo "next:"; \
+	echo "  $(BIN)/tpdp-verify gate --profile smoke --baseline torch==2.13.0   # which are torch 2.13.0's own (exit 0)"; \
+	echo "  $(BIN)/tpdp-verify plan MODULE:MAKE_MODEL --plan MODULE:PLAN --input MODULE:INPUTS   # your TP plan"; \
+	echo "  docs/user-guide.md (your plan), docs/cli.md (the gate), docs/known-divergences.md (torch's faults)"; \
 	test $$rc -eq 0 -o $$rc -eq 1
 
 test: $(STAMP)

@@ -74,13 +74,27 @@ def test_a_smoke_gate_keeps_torchs_warnings_and_the_ranks_output_off_the_termina
     assert out.stderr.strip() == "" and not noise, out.stderr[-3000:]
     logs = out.stdout.rsplit("the ranks' output (torch's warnings, C++ logs; -v shows it): ", 1)[1].strip()
     ranks = {"world2-rank0.log", "world2-rank1.log"}  # emptied after each search, into a file of its own
-    searches = set(os.listdir(logs)) - ranks
+    searches = set(os.listdir(logs)) - ranks - {"report.txt"}
     assert ranks <= set(os.listdir(logs)) and all(os.path.getsize(os.path.join(logs, n)) == 0 for n in ranks)
     assert {n.removesuffix("-world2.log") for n in searches} <= {p.name for p in ALL}
 
 
 def test_torch_departs_on_every_simplest_case(passes):
     assert {p.name for p in passes} <= {p.name for p in DRAWN_BY_LUCK}, passes
+
+
+def full_report(out) -> str:
+    """The report a run writes beside its rank logs, named on its last lines."""
+    path = out.stdout.rsplit("the full report (every finding's case and replay, what is not searched): ", 1)[1]
+    return Path(path.splitlines()[0].strip()).read_text()
+
+
+def test_the_terminal_says_what_matters_in_a_screen_and_names_the_full_report(torch_gate):
+    out, _ = torch_gate
+    assert len(out.stdout.splitlines()) <= 80, out.stdout  # progress, counts, a line a finding: a screen or two
+    assert "-- replay" not in out.stdout and "  found    flatten_roundtrip (world 2): " in out.stdout
+    full = full_report(out)
+    assert "-- replay (save as a file and run it with python):" in full and "not searched: " in full
 
 
 @pytest.mark.timeout(900)
@@ -90,14 +104,15 @@ def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_s
     assert out.returncode == 1, out.stderr
     assert (f"{len(passes)} passed, 0 known only, {len(ALL) - len(passes)} diverged, "
             "0 infrastructure failures") in out.stdout
-    assert "== flatten_roundtrip (world size 2): diverges" in out.stdout
-    replay = out.stdout.split("-- replay (save as a file and run it with python):\n", 1)[1]
+    report = full_report(out)
+    assert "== flatten_roundtrip (world size 2): diverges" in report
+    replay = report.split("-- replay (save as a file and run it with python):\n", 1)[1]
     replay = replay.split("\n\n== ", 1)[0]  # the first property's script only
     (tmp_path / "replay.py").write_text(replay)
     replayed = subprocess.run([sys.executable, "replay.py"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 1
-    section = out.stdout.split("== flatten_roundtrip (world size 2): diverges\n", 1)[1].splitlines()
+    section = report.split("== flatten_roundtrip (world size 2): diverges\n", 1)[1].splitlines()
     assert section[1].startswith("found: ") and section[2].startswith("signature: check:")
     found = section[3]
     assert found.startswith("tpdp_verify.judging.divergence.") and found in replayed.stderr, (found, replayed.stderr)
@@ -181,7 +196,7 @@ def test_gate_json_has_the_header_and_an_entry_per_property(torch_gate, passes):
             continue
         assert p["status"] == "diverges" and p["findings"] and all(f["failure"] for f in p["findings"])
         assert all(f["kind"] and f["case"] and f["signature"] and f["status"] == "found" for f in p["findings"])
-        assert p["report"] in out.stdout  # the report is the terminal's, word for word
+        assert p["report"] in full_report(out)  # the report is the full report's, word for word
     assert sum(p["seconds"] for p in record["properties"]) <= record["seconds"]
     assert "RankPool(2)" in record["properties"][0]["findings"][0]["replay"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tpdp_verify import torch_release
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
+from tpdp_verify.files import write_whole
 from tpdp_verify.interrupts import Interrupted, caught
 from tpdp_verify.runner import profiles
 
@@ -352,13 +353,22 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
         return EXIT_INFRA
     run.during = "report"
     outcomes, judged = run.outcomes, run.judged
+    seconds = time.monotonic() - start
+
+    def said(full: bool) -> str:  # the full report for the file (and -v), the short one for a person
+        text = summary(outcomes, profile, args.impl, seconds, suite.summary_lines(), full)
+        if judged is None:
+            return text
+        b = run.baseline
+        return text + "\n" * (1 + full) + baseline.report(judged, b.name, b.asking, b.unavailable, full)
+
     print()
-    print(summary(outcomes, profile, args.impl, time.monotonic() - start, suite.summary_lines()))
+    print(said(full=bool(args.verbose)))
     code = exit_code(outcomes)
-    if judged is not None:
-        print()
-        print(baseline.report(judged, run.baseline.name, run.baseline.asking, run.baseline.unavailable))
     outputs.write(files, run.record(code))  # with divergences too: they are what CI shows
+    if logs:
+        write_whole(os.path.join(logs, "report.txt"), said(full=True) + "\n")
+        print(f"\nthe full report (every finding's case and replay, what is not searched): {logs}/report.txt")
     _said_where(logs)
     return code
 

@@ -208,8 +208,9 @@ class Judgement:
                 "not_rerun": self.not_rerun}
 
 
-def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: str = "") -> str:
-    """What the baseline said of the run: a line per finding that is not known, then the counts."""
+def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: str = "", full: bool = True) -> str:
+    """What the baseline said of the run: a line per finding that is not known (``full``; the
+    summary lists them otherwise), how it was asked, then the counts."""
     width = max([len(p) for p, _, _ in j.new + j.changed + j.fixed + j.not_asked] + [8])
 
     def line(label: str, item) -> str:
@@ -217,10 +218,8 @@ def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: s
         return f"  {label:<9} {prop:<{width}} world {world_size}  {f.kind}"
 
     out = [f"baseline {name}: known where that release fails the same way on the same case"]
-    out += [line("NEW", x) for x in j.new]
-    out += [line("CHANGED", x) for x in j.changed]
-    out += [line("FIXED", x) for x in j.fixed]
-    out += [line("not asked", x) for x in j.not_asked]
+    for label, found in (("NEW", j.new), ("CHANGED", j.changed), ("FIXED", j.fixed), ("not asked", j.not_asked)):
+        out += [line(label, x) for x in found] if full else []
     if asking is not None:
         out.append(f"  asked {asking.memo + asking.replays + asking.candidate + asking.not_asked} times: "
                    f"{asking.memo} from the memo, {asking.replays} replayed there ({asking.seconds:.0f} s)"

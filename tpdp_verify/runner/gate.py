@@ -390,16 +390,17 @@ def exit_code(outcomes: list[Outcome]) -> int:
 
 
 def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float,
-            excluded: list[str] = ()) -> str:
+            excluded: list[str] = (), full: bool = True) -> str:
+    """The run in words: ``full``, every search's line, what is not searched, each finding's
+    report and replay (the report file, and the terminal under -v); else what a person reads
+    first: the counts, what needs attention, and a line a finding that is not known."""
     counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "known", "diverges", "infra")}
     short = [o for o in outcomes if o.short]
-    out = [
-        f"tpdp-verify gate: profile {profile.name}, implementation {impl}, torch {torch.__version__}",
-        *(_line(o) for o in outcomes),
-        f"{counts['pass']} passed, {counts['known']} known only, {counts['diverges']} diverged, "
-        f"{counts['infra']} infrastructure failures in {seconds:.1f} s ({profile.name} budget "
-        f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})",
-    ]
+    out = [f"tpdp-verify gate: profile {profile.name}, implementation {impl}, torch {torch.__version__}"]
+    out += [_line(o) for o in outcomes] if full else []
+    out.append(f"{counts['pass']} passed, {counts['known']} known only, {counts['diverges']} diverged, "
+               f"{counts['infra']} infrastructure failures in {seconds:.1f} s ({profile.name} budget "
+               f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})")
     if short:
         out.append(f"{len(short)} searches drew fewer examples than they ask: "
                    + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn} of {o.wanted}"
@@ -415,12 +416,21 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
         out.append(f"the gate spent its {profile.shrink_total:g} s of shrinking ({profile.name}); "
                    f"{len(unshrunk)} later searches reported their failures as first found: "
                    + ", ".join(f"{o.property} (world {o.world_size})" for o in unshrunk))
-    out += list(excluded)
-    out.append(coverage.summary_line(coverage.unexercised()))
-    for o in outcomes:
-        if o.status != "pass":
-            out += ["", outcome_report(o)]
-    return "\n".join(out)
+    if full:
+        out += list(excluded)
+        out.append(coverage.summary_line(coverage.unexercised()))
+        for o in outcomes:
+            if o.status != "pass":
+                out += ["", outcome_report(o)]
+        return "\n".join(out)
+    unset = sum(map(len, coverage.unexercised().values()))
+    out.append(f"not searched: {len(excluded)} regions of the case space; keywords no case sets: {unset} "
+               "(each with its reason in the full report)")
+    lines = [f"  {f.status or 'found':<8} {o.property} (world {o.world_size}): {f.kind}"
+             for o in outcomes for f in o.findings if f.status not in GOES_ON]
+    lines += [f"  {'INFRA':<8} {o.property} (world {o.world_size}): {o.message.splitlines()[0]}"
+              for o in outcomes if o.status == "infra" and o.message]
+    return "\n".join(out + (["findings (their cases and replays in the full report):", *lines] if lines else []))
 
 
 def outcome_report(o: Outcome) -> str:
