@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 # The gate exits 1 when it finds a divergence in torch: that is a result the demo shows,
 # not a failure of the demo. Usage (2) and infrastructure (3) errors still fail it.
 demo: $(STAMP)
-	$(BIN)/tpdp-verify gate --profile smoke; rc=$$?; \
+	@$(BIN)/tpdp-verify gate --profile smoke; rc=$$?; \
 	if [ $$rc -eq 1 ]; then echo "demo: the gate found divergences in torch (above); exit code 1 is that verdict"; fi; \
 	echo; echo "next:"; \
 	echo "  $(BIN)/tpdp-verify gate --profile smoke --baseline torch==2.13.0   # which are torch 2.13.0's own (exit 0)"; \

@@ -401,11 +401,14 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
     out.append(f"{counts['pass']} passed, {counts['known']} known only, {counts['diverges']} diverged, "
                f"{counts['infra']} infrastructure failures in {seconds:.1f} s ({profile.name} budget "
                f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})")
-    if short:
+    if short and (full or len(short) <= 3):
         out.append(f"{len(short)} searches drew fewer examples than they ask: "
                    + ", ".join(f"{o.property} (world {o.world_size}: {o.stats.drawn} of {o.wanted}"
                                f"{', ' + o.stats.stopped_because if o.stats.stopped_because else ''})"
                                for o in short))
+    elif short:
+        out.append(f"{len(short)} searches drew fewer examples than they ask (a new finding stops one; the full "
+                   "report says why each stopped)")
     history = [(o, text) for o in outcomes for text, _ in o.stats.history]
     if history:
         out.append(f"{len(history)} cases killed a rank after other cases on the same ranks and not on fresh ones "
