@@ -116,14 +116,14 @@ class Baseline:
     def answer(self, prop, pool, impl: str, drawn: dict, shown: signature.Signature) -> signature.Signature | None:
         """What the release shows on ``drawn`` (``()``: passes); None where it could not be asked."""
         case, types = memos.printed(drawn)
-        known = self.memo.get(prop.name, pool.world_size, case)
-        if known is not None:
-            self.asking.memo += 1
-            return known.signature
-        if self.is_candidate(impl):
+        if self.is_candidate(impl):  # this very run is the release's answer: truer than one remembered
             self.asking.candidate += 1
             now = shown
         else:
+            known = self.memo.get(prop.name, pool.world_size, case)
+            if known is not None:
+                self.asking.memo += 1
+                return known.signature
             side = self.side()
             if side is None:
                 self.asking.not_asked += 1
