@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import user_models as um
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tpdp_verify import UsageError, verify_plan
 from tpdp_verify.fixtures.models import LlamaLM
@@ -374,3 +375,20 @@ def test_the_same_plan_on_the_correct_model_passes_with_torchs_departures_attrib
     data = json.loads(report.to_json())
     assert report.status == "KNOWN" and report.ok and data["new"] == [], str(report)
     assert data["known"] and all(k["evidence"] == REFERENCE for k in data["known"])
+
+
+@pytest.mark.parametrize("make, plan, expected", [
+    (um.make_blocks, {"layers.*.dwn": ColwiseParallel()}, "did you mean 'layers.*.down'"),  # the wildcard kept
+    (um.make_blocks, {"layers.0": ColwiseParallel()}, "give its children their styles, or lay out its input and "
+                                                      "output with PrepareModuleInput / PrepareModuleOutput"),
+    (um.make_mlp, {"act": ColwiseParallel()}, "a ReLU holds no parameter to shard: leave it out of the plan"),
+])
+def test_a_plan_mistake_names_what_would_fit(make, plan, expected):
+    problems = plan_problems(make(), plan, 2)
+    assert problems and expected in problems[0], problems
+
+
+def test_a_norm_given_a_sharding_style_is_told_sequence_parallel_fits():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    (problem,) = plan_problems(model, {"1": RowwiseParallel()}, 2)
+    assert "a LayerNorm runs on sequence shards: SequenceParallel()" in problem

@@ -98,7 +98,7 @@ def plan_problems(model: nn.Module, plan: dict, tp: int) -> list[str]:
     for key, style in plan.items():
         paths = resolve(model, key)
         if not paths:
-            near = difflib.get_close_matches(key, [m for m in modules if m], n=3, cutoff=0.5)
+            near = difflib.get_close_matches(key, _as_written(key, [m for m in modules if m]), n=3, cutoff=0.5)
             problems.append(f"plan key {key!r} matches no module of the model"
                             + (f"; did you mean {' or '.join(map(repr, near))}?" if near else
                                "; keys are dotted module paths as named_modules() gives them"))
@@ -109,7 +109,8 @@ def plan_problems(model: nn.Module, plan: dict, tp: int) -> list[str]:
             dim = next((d for t, d in (kinds or {}).items() if isinstance(module, t)), None)
             if kinds and dim is None:
                 problems.append(f"plan key {key!r} gives {type(style).__name__} to {path!r}, a "
-                                f"{type(module).__name__}; it shards only {' and '.join(t.__name__ for t in kinds)}")
+                                f"{type(module).__name__}; it shards only {' and '.join(t.__name__ for t in kinds)}"
+                                + _fitting(module))
             elif dim is not None and module.weight.shape[dim] < tp:
                 problems.append(f"plan key {key!r}: {type(style).__name__} shards dim {dim} of {path}.weight "
                                 f"(size {module.weight.shape[dim]}) over {tp} tp ranks, so some rank would hold "
@@ -117,6 +118,35 @@ def plan_problems(model: nn.Module, plan: dict, tp: int) -> list[str]:
             elif dim == 0 and isinstance(module, nn.Linear):
                 problems += _split_heads(key, path, module, modules.get(path.rpartition(".")[0]), tp)
     return problems
+
+
+def _as_written(key: str, paths: list[str]) -> list[str]:
+    """The module paths as the key writes them: where the key has a wildcard atom, the path's
+    atom there is the wildcard too, so a suggestion keeps it (``layers.*.attn.o_proj``, not
+    ``layers.1.attn.o_proj``, for ``layers.*.attn.o_prj``)."""
+    atoms = key.split(".")
+    wild = [i for i, a in enumerate(atoms) if any(c in a for c in "*?[")]
+    out = []
+    for path in paths:
+        parts = path.split(".")
+        if len(parts) == len(atoms):
+            parts = [atoms[i] if i in wild else p for i, p in enumerate(parts)]
+        out.append(".".join(parts))
+    return list(dict.fromkeys(out))
+
+
+def _fitting(module: nn.Module) -> str:
+    """The style that fits a module a sharding style does not: a norm is SequenceParallel's,
+    a module that holds others takes its inputs' and outputs' layouts."""
+    name = type(module).__name__
+    if "Norm" in name:
+        return f"; a {name} runs on sequence shards: SequenceParallel()"
+    if any(True for _ in module.children()):
+        return (f"; for a {name} (a module of modules), give its children their styles, or lay out its input "
+                "and output with PrepareModuleInput / PrepareModuleOutput")
+    if not any(True for _ in module.parameters(recurse=False)):
+        return f"; a {name} holds no parameter to shard: leave it out of the plan"
+    return ""
 
 
 def _split_heads(key: str, path: str, linear: nn.Linear, owner: nn.Module | None, tp: int) -> list[str]:
