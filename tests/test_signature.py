@@ -66,7 +66,24 @@ def test_a_real_exception_keeps_its_innermost_frame_as_a_detail():
         torch_frames = signature._frames(exc)[1:]  # this test's own frame is not the harness's
         assert signature._pick([(HARNESS, "step"), *torch_frames], "ValueError") == \
             "raised:ValueError at torch/optim/sgd.py:__init__"
-        assert signature.innermost(exc) == " (raised in torch/optim/optimizer.py:__init__)"
+        # the caller, this file, is the user's code: named with its line, after torch's frame
+        assert signature.innermost(exc).startswith(" (raised in torch/optim/optimizer.py:__init__, called from ")
+        assert "test_signature.py:64 in test_a_real_exception" in signature.innermost(exc)
+
+
+def test_an_exception_the_users_own_code_raises_is_located_at_their_line(tmp_path, monkeypatch):
+    """A user's model raising on its own (not through torch): their file, line and function,
+    never the torch call machinery around their forward."""
+    (tmp_path / "their_model.py").write_text("import torch\n\n\nclass M(torch.nn.Module):\n"
+                                             "    def forward(self, x):\n        raise ValueError('theirs')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    import their_model
+
+    try:
+        their_model.M()(torch.ones(1))
+    except ValueError as exc:
+        assert signature.innermost(exc) == " (raised at their_model.py:6 in forward)"
 
 
 def test_ranks_left_waiting_for_a_rank_that_raised_do_not_change_its_signature():

@@ -177,10 +177,57 @@ def raised(exc: BaseException) -> str:
 
 
 def innermost(exc: BaseException) -> str:
-    """Where the code under test raised ``exc``: a detail for readers, never a part (it moves
-    when torch refactors)."""
+    """Where ``exc`` was raised, for readers, never a part (it moves when torch refactors): at
+    the user's own frame where one is on the stack (their model, loss, input or parallelize
+    function: file, line and function), else in the code under test."""
+    user = _user_frame(exc)
     under_test = [f for f in _frames(exc) if not _harness(f[0])]
-    return f" (raised in {_short(under_test[-1][0])}:{under_test[-1][1]})" if under_test else ""
+    inner = f"{_short(under_test[-1][0])}:{under_test[-1][1]}" if under_test else ""
+    if user is None:
+        return f" (raised in {inner})" if inner else ""
+    at = f"{_readable(user.filename)}:{user.lineno} in {user.name}"
+    last = _innermost_frame(exc)
+    raised_here = last is not None and (last.filename, last.lineno) == (user.filename, user.lineno)
+    return f" (raised at {at})" if raised_here or not inner else f" (raised in {inner}, called from {at})"
+
+
+def _readable(filename: str) -> str:
+    """A user's file as they would name it: relative to the current directory where under it."""
+    path = os.path.abspath(filename)
+    here = os.getcwd() + os.sep
+    return path[len(here):] if path.startswith(here) else path
+
+
+_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep  # tpdp_verify, its zoo and suite included
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's own code: neither torch nor tpdp-verify (nor a view
+    of it: tpdp_verify/ anywhere in the path), nor the standard library."""
+    for frame in reversed(_summaries(exc)):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or _stdlib(path) or path.startswith((_TORCH, _OURS)) \
+                or f"{os.sep}tpdp_verify{os.sep}" in path or f"{os.sep}site-packages{os.sep}" in path:
+            continue
+        return frame
+    return None
+
+
+def _innermost_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1] if frames else None
+
+
+def _summaries(exc: BaseException) -> list[traceback.FrameSummary]:
+    """Every frame of ``exc`` and what it was raised from or while handling, outermost first."""
+    frames: list[traceback.FrameSummary] = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        frames = list(traceback.extract_tb(e.__traceback__)) + frames
+        e = e.__cause__ or e.__context__
+    return frames
 
 
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)', re.M)

@@ -155,7 +155,9 @@ def _did_not_finish(exc: BaseException):
     if found is None and not isinstance(exc, RankFailed):
         raise exc
     part = found.signature[0] if found is not None else signature.raised_from_text(next(iter(exc.tracebacks.values())))
-    said = str(found) if found is not None else str(exc)  # a hang's: with every silent rank's stack
+    if isinstance(exc, RankFailed):  # the raising rank's own words, at the user's frame: nothing of the tool's
+        return Verdict([Check("trains without an exception", False, _headline(exc), part)])
+    said = str(found) if found is not None else str(exc)  # a hang's or a death's: with every silent rank's stack
     return Verdict([Check("trains without an exception", False, f"{_headline(exc)}\n{said}", part)])
 
 
