@@ -218,3 +218,15 @@ def test_a_release_that_cannot_be_installed_is_one_line_and_leaves_nothing_behin
     assert not provision.where("0.0.1").exists()
     release = Baseline("0.0.1", memo_path=tmp_path / "m.json", progress=said.append)
     assert release.side() is None and "could not install torch==0.0.1" in release.unavailable
+
+
+def test_a_compressed_memo_reads_as_the_plain_one_and_writes_the_same_bytes_twice(tmp_path):
+    m = memo.Memo("2.13.0")
+    m.put(_asked())
+    plain, packed = tmp_path / "m.json", tmp_path / "m.json.gz"
+    m.save(plain)
+    m.save(packed)
+    first = packed.read_bytes()
+    m.save(packed)
+    assert packed.read_bytes() == first and len(first) < plain.stat().st_size
+    assert memo.Memo.load("2.13.0", [packed]).answers == memo.Memo.load("2.13.0", [plain]).answers

@@ -35,7 +35,7 @@ def test_wheel_holds_one_namespace_and_both_entry_points(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ["tpdp_verify/ranks/pool.py", "tpdp_verify/oracles/__init__.py",
                      "tpdp_verify/properties/roundtrip.py", "tpdp_verify/fixtures/__init__.py",
-                     "tpdp_verify/memos/torch-2.13.0.json"]:
+                     "tpdp_verify/memos/torch-2.13.0.json.gz"]:
         assert expected in names
     assert not any(n.split("/")[0] in ("oracles", "properties", "fixtures", "tests") for n in names)
     source = {f"tpdp_verify/{p.relative_to(ROOT / 'tpdp_verify')}" for p in (ROOT / "tpdp_verify").rglob("*.py")}

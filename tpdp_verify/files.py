@@ -6,6 +6,7 @@ the user's memo, the environments of baseline releases and each run's rank logs.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import os
 import stat
 import tempfile
@@ -13,11 +14,12 @@ import time
 from pathlib import Path
 
 
-def write_whole(path: str, text: str) -> None:
+def write_whole(path: str, text: str, compressed: bool = False) -> None:
     """Write ``text`` to ``path`` whole or not at all: into a temporary file in the same
     folder, then renamed over it (os.replace, atomic), so that a kill at any moment leaves
     the previous file or the complete new one. The file keeps its mode (a new one gets the
-    umask's, as open() gives it); a link is followed, and stays."""
+    umask's, as open() gives it); a link is followed, and stays. ``compressed``: gzip, with no
+    time in its header (the same text, the same bytes)."""
     target = os.path.realpath(path)
     directory, name = os.path.split(target)
     try:
@@ -26,9 +28,10 @@ def write_whole(path: str, text: str) -> None:
         mode = 0o666 & ~_umask()
     fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
-            f.write(text)
+            data = text.encode("utf-8")
+            f.write(gzip.compress(data, mtime=0) if compressed else data)
         os.replace(temporary, target)
     except BaseException:  # an error, or the first interrupt: no temporary file left behind
         with contextlib.suppress(OSError):

@@ -15,6 +15,7 @@ to which a run adds what it asked. Nothing here knows a case it was not asked ab
 from __future__ import annotations
 
 import fcntl
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,7 +120,8 @@ class Memo:
             doc = {"schema": SCHEMA, "harness": HARNESS, "torch": self.release,
                    "asked": [a.to_json() for a in sorted(held.values(), key=lambda a: (a.property, a.world_size,
                                                                                       a.key))]}
-            write_whole(str(path), json.dumps(doc, indent=0, separators=(",", ":")) + "\n")
+            text = json.dumps(doc, indent=0, separators=(",", ":")) + "\n"
+            write_whole(str(path), text, compressed=path.suffix == ".gz")
         return len(held)
 
 
@@ -138,7 +140,7 @@ def read(path: Path, release: str) -> list[Asked]:
     if not path.exists():
         return []
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read the memo {path}: {exc}; delete it (its cases are asked again)") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("harness") != HARNESS \
@@ -152,7 +154,8 @@ def read(path: Path, release: str) -> list[Asked]:
 
 
 def shipped(release: str) -> Path:
-    return SHIPPED / f"torch-{release}.json"
+    """The memo tpdp-verify ships for ``release`` (compressed: thousands of cases)."""
+    return SHIPPED / f"torch-{release}.json.gz"
 
 
 def users(release: str) -> Path:
