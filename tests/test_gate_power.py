@@ -5,7 +5,7 @@ that also show a known fault (every DDP case loses the registry on 2.13: the gra
 mutant's cases).
 
 The whole table (every mutant, the ci profile, both world sizes) is in docs/performance.md
-(bench/bench_mutation.py --torch); these are a few of its rows, each on the property that
+(bench/bench_torch_mutants.py); these are a few of its rows, each on the property that
 must catch it, with the ci profile's budget.
 """
 
