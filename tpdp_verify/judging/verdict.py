@@ -412,7 +412,9 @@ def _registry(observed: list[str], oracle: list[str], tied: list[tuple[str, ...]
     one parameter, which named_parameters() gives once; given twice, the tie came apart."""
     missing, extra = [n for n in oracle if n not in observed], [n for n in observed if n not in oracle]
     apart = [group for group in tied if sum(n in observed for n in group) > 1]
-    detail = (f"tied parameters came apart: {'; '.join(', '.join(g) for g in apart)}" if apart else
+    detail = (f"tied parameters came apart: {'; '.join(', '.join(g) for g in apart)} (parallelize_module "
+              "gives each a DTensor of its own: tie them again after it, in a parallelize_fn, where the plan "
+              f"shards both alike: model.{apart[0][-1]} = model.{apart[0][0]})" if apart else
               f"after training named_parameters() lacks {missing}" if missing else
               f"after training named_parameters() has unexpected {extra}" if extra else
               f"after training named_parameters() gives {observed}, the oracle {oracle}")
