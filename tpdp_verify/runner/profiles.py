@@ -29,11 +29,8 @@ class Profile:
     # failure as first found. A build that breaks many properties (a crash in a path every
     # case takes) would otherwise spend shrink_seconds on each, twice.
     shrink_total: float = 1200
-    # the most a gate judged by replay (--baseline-python) spends replaying failures on the
-    # baseline before it counts those showing only parts already shown there as known
-    replay_total: float = 600
-    # the most a gate judged by a file spends rerunning recorded cases its search did not meet
-    # (to tell FIXED and CHANGED); the entries left are listed as not rerun
+    # the most a gate spends rerunning the memo's failing cases its searches did not meet (to
+    # tell FIXED and CHANGED); those left are counted as not rerun
     rerun_total: float = 600
 
     def with_shrinking_left(self, seconds: float) -> "Profile":
@@ -55,16 +52,16 @@ PROFILES = {
     for p in (
         # smoke reports each property's first new failure unshrunk: with failures told apart
         # by signature, shrinking every one the search meets took minutes, not one
-        Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60, replay_total=20, rerun_total=15),
+        Profile("smoke", max_examples=10, world_sizes=(2,), shrink=False, budget=60, rerun_total=15),
         # ci: the search alone takes about 250 s of its 300 on 2 cores against torch 2.13.0;
         # shrinking and replays get what is left, so a run with new findings still ends in time
         Profile("ci", max_examples=40, world_sizes=(2, 4), budget=300, shrink_seconds=30, shrink_total=45,
-                replay_total=45, rerun_total=30),
+                rerun_total=30),
         # release: the search alone takes about 2600 s on 2 cores against torch 2.13.0 (53
         # searches; costs.json), a quarter of it in each of 4 shards; shrinking, replays and
         # reruns are bounded so that a run with new findings still ends within the hour
         Profile("release", max_examples=200, world_sizes=(2, 4, 8), budget=3600, shrink_total=600,
-                replay_total=300, rerun_total=120),
+                rerun_total=120),
     )
 }
 
