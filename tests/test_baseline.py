@@ -183,7 +183,8 @@ def test_a_broken_transform_blocks_against_the_release():
     fail so on those cases (it passes them: NEW; it loses the registry there, which the
     reference keeps: CHANGED), so the gate blocks with them listed; the faults of 2.13.0 the
     reference does not have are FIXED, a line each way."""
-    out = _gate("--impl", "mutants.ScalesGradientUp", "--baseline", "torch==2.13.0", "--no-install")
+    out = _gate("--impl", "mutants.ScalesGradientUp", "--baseline", "torch==2.13.0", "--no-install",
+                "-k", "trains_like_one_device or registry_preserved")
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
     assert re.search(r"  (NEW|CHANGED) +trains_like_one_device \(world 2\): .*gradient beyond its bound", out.stdout), \
         out.stdout[-4000:]

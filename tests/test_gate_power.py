@@ -111,4 +111,5 @@ def test_an_exception_before_the_first_step_that_is_not_a_refusal_is_new(tpdp_po
     found = new(outcome)
     assert found and all("check:refuses-a-miswiring-before-training-or-trains-exactly" in f.signature
                          for f in found), outcome.findings
-    assert all("contiguous local tensor" in f.failure for f in found)
+    # the planted error itself, and where it makes FSDP1's wrapping fail otherwise on the memo's cases
+    assert any("contiguous local tensor" in f.failure for f in found), [f.failure for f in found]

@@ -166,7 +166,7 @@ def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, bas
     ``seconds`` last (a recorded hang only while its timeout fits)."""
     stats, start = outcome.stats, time.monotonic()
     ways: dict[tuple, list] = {}  # (status, what the release showed, what the candidate shows) -> cases
-    said: dict[signature.Signature, str] = {}  # what the candidate said, a failure each way
+    said = stats.said  # what the candidate said, a failure's text each way (the search's, then the reruns')
     for asked in baseline.memo.failing(prop.name, pool.world_size):
         now = stats.ran.get(asked.key)
         if now is None:

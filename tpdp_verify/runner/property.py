@@ -70,6 +70,7 @@ class Stats:
     statuses: dict = field(default_factory=dict)  # signature -> its status, as last judged (NEW, CHANGED)
     cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
     ran: dict = field(default_factory=dict)  # memo key -> what the candidate showed there (() passed)
+    said: dict = field(default_factory=dict)  # signature -> the first failure's text that showed it
     reran: int = 0  # the memo's failing cases run again on the candidate after the search
     not_rerun: int = 0  # and those the rerun budget left
     # (what died, the case) where a rank died on ranks that had run other cases but not on
@@ -279,6 +280,7 @@ class Property:
                 if found is None:
                     raise _Escape(exc) from exc
                 stats.ran[where] = found.signature
+                stats.said.setdefault(found.signature, f"{type(found).__module__}.{type(found).__qualname__}: {found}")
                 status = _judged(judge, found.signature, drawn) if judge is not None else ""
                 if status in GOES_ON:
                     stats.known += status == "known"
