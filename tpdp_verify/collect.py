@@ -123,7 +123,7 @@ class SuiteRun:
         return Pools(self.backend, self.timeout, run_directory() if self.rank_output else None)
 
     @functools.cached_property
-    def judge(self):
+    def release(self):
         """The baseline release, where one is named: its memo, and its side started on first use."""
         from tpdp_verify.runner.baseline import Baseline, release_of
 
@@ -133,10 +133,10 @@ class SuiteRun:
     def search(self, prop, world_size: int):
         from tpdp_verify.runner.gate import judged_search
 
-        return judged_search(prop, self.pools.get(world_size), self.impl, self.profile, self.judge, self.spent)
+        return judged_search(prop, self.pools.get(world_size), self.impl, self.profile, self.release, self.spent)
 
     def close(self) -> None:
         if "pools" in self.__dict__:
             self.pools.close()
-        if self.__dict__.get("judge") is not None:
-            self.judge.close()
+        if self.__dict__.get("release") is not None:
+            self.release.close()

@@ -7,7 +7,7 @@ key, the signature the release showed there (``()``: it passes) the answer. A me
 answers of one release under one ``HARNESS`` revision, the other thing that decides what a
 case computes; a memo of another revision answers nothing.
 
-Two files are read: the memo tpdp-verify ships (``tpdp_verify/memos/torch-<release>.json``,
+Two files are read: the memo tpdp-verify ships (``tpdp_verify/memos/torch-<release>.json.gz``,
 the fixed draws of smoke, ci and release), and the user's (under the cache directory),
 to which a run adds what it asked. Nothing here knows a case it was not asked about.
 """
