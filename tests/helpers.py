@@ -106,3 +106,31 @@ def the_one(found, stats, text: str) -> tuple[str, dict]:
     match = [e for e in found if text in str(e)]
     assert match, f"no divergence says {text!r}: {found}"
     return str(match[0]), stats.failures[type(match[0]).signature]
+
+
+# A user's own module, as they write it beside their tests: a model, its TP plan, its input.
+# Tests write it out (a pytester file, a folder outside the repository) and import it there.
+USER_MLP = """
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def make_model():
+    return MLP()
+
+
+def inputs(n, generator):
+    return torch.randn(n, 8, generator=generator)
+"""

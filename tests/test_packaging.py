@@ -6,6 +6,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import USER_MLP
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,37 +63,12 @@ def test_pyproject_lists_every_package_of_the_source_tree():
     assert listed == _source_packages()
 
 
-USER = """
-import torch
-from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-def make():
-    return MLP()
-
-
-def inputs(n, generator):
-    return torch.randn(n, 4, generator=generator)
-"""
-
 PYTEST_USER = """
-from mlp import PLAN, inputs, make
+from mlp import PLAN, inputs, make_model
 
 
 def test_my_plan(tpdp):
-    assert tpdp.verify_plan(make, PLAN, input_fn=inputs, dp="fsdp2").ok
+    assert tpdp.verify_plan(make_model, PLAN, input_fn=inputs, dp="fsdp2").ok
 """
 
 
@@ -107,19 +83,19 @@ def test_the_installed_wheel_verifies_a_plan_from_outside_the_repository(wheel, 
                    check=True, timeout=480, capture_output=True)
     user = tmp_path / "user"
     user.mkdir()
-    (user / "mlp.py").write_text(USER)
+    (user / "mlp.py").write_text(USER_MLP)
     (user / "test_mine.py").write_text(PYTEST_USER)
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
 
     def run(*command):
         return subprocess.run(command, cwd=user, env=env, capture_output=True, text=True, timeout=300)
 
-    python_api = run(python, "-c", "from tpdp_verify import verify_plan\nfrom mlp import PLAN, inputs, make\n"
+    python_api = run(python, "-c", "from tpdp_verify import verify_plan\nfrom mlp import PLAN, inputs, make_model\n"
                      "if __name__ == '__main__':\n"
-                     "    report = verify_plan(make, PLAN, input_fn=inputs, dp='fsdp2')\n"
+                     "    report = verify_plan(make_model, PLAN, input_fn=inputs, dp='fsdp2')\n"
                      "    print(report.status)")
     assert python_api.returncode == 0 and python_api.stdout.splitlines()[-1] == "PASS", python_api.stderr[-2000:]
-    cli = run(str(venv / "bin" / "tpdp-verify"), "plan", "mlp:make", "--plan", "mlp:PLAN", "--input", "mlp:inputs",
+    cli = run(str(venv / "bin" / "tpdp-verify"), "plan", "mlp:make_model", "--plan", "mlp:PLAN", "--input", "mlp:inputs",
               "--dp", "fsdp2")
     assert cli.returncode == 0 and ": PASS" in cli.stdout.splitlines()[0], cli.stdout[-2000:] + cli.stderr[-2000:]
     fixture = run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py")

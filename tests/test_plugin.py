@@ -1,6 +1,7 @@
 """The pytest plugin as a user's project sees it: pytester runs a separate pytest."""
 
 import pytest
+from helpers import USER_MLP
 
 pytest_plugins = ["pytester"]
 
@@ -62,25 +63,7 @@ def test_the_plugin_can_be_disabled(pytester):
     result.stdout.fnmatch_lines(["*fixture 'tpdp_pool' not found*"])
 
 
-USER_PLAN_TESTS = """
-import pytest
-import torch
-from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-def make_model():
-    return MLP()
-
-def inputs(n, generator):
-    return torch.randn(n, 8, generator=generator)
+USER_PLAN_TESTS = "import pytest\n" + USER_MLP + """
 
 def test_my_plan(tpdp):
     report = tpdp.verify_plan(make_model, {"up": ColwiseParallel(), "down": RowwiseParallel()}, input_fn=inputs)
