@@ -172,23 +172,33 @@ def test_the_smoke_gate_passes_against_the_release_with_no_environment(tmp_path)
     assert sum(p["known_only"] for p in record["properties"]) > 0  # the search went on past them
     assert {f["status"] for p in record["properties"] for f in p["findings"]} <= {"known"}
     assert record["not_searched"] and "not searched: 15 regions of the case space" in out.stdout
+    catalog = record["catalog"]  # every known failure named by a catalogued fault
+    assert catalog["known"] > 0 and catalog["explained"] == catalog["known"] and not catalog["unexplained"], catalog
+    assert f"the fault catalog explains {catalog['known']} of {catalog['known']} known failures" in out.stdout
+    assert all(f["faults"] for p in record["properties"] for f in p["findings"])
     assert len(out.stdout.splitlines()) < 60  # known only: it fits in a screen
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert (suite.get("failures"), suite.get("errors")) == ("0", "0")
 
 
 @pytest.mark.timeout(600)
-def test_a_broken_transform_blocks_against_the_release():
+def test_a_broken_transform_blocks_against_the_release(tmp_path):
     """The reference with every sharded gradient scaled by 1 + 1e-3: torch 2.13.0 does not
     fail so on those cases (it passes them: NEW; it loses the registry there, which the
     reference keeps: CHANGED), so the gate blocks with them listed; the faults of 2.13.0 the
-    reference does not have are FIXED, a line each way."""
+    reference does not have are FIXED, a line each way. `report` drafts the issue of the
+    first blocking finding from its shrunk case, and names no torch fault for its gradient."""
     out = _gate("--impl", "mutants.ScalesGradientUp", "--baseline", "torch==2.13.0", "--no-install",
-                "-k", "trains_like_one_device or registry_preserved")
+                "-k", "trains_like_one_device or registry_preserved", "--json", str(tmp_path / "gate.json"))
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
     assert re.search(r"  (NEW|CHANGED) +trains_like_one_device \(world 2\): .*gradient beyond its bound", out.stdout), \
         out.stdout[-4000:]
     assert re.search(r"against the baseline: \d+ new, \d+ changed, [1-9]\d* fixed, .*: blocks", out.stdout)
+    drafted = subprocess.run([sys.executable, "-m", "tpdp_verify", "report", str(tmp_path / "gate.json")],
+                             capture_output=True, text=True, timeout=120)
+    assert drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout.startswith("title: [DTensor] ") and "The shrunk case:" in drafted.stdout
+    assert "No catalogued fault explains: " in drafted.stdout and "value:gradient" in drafted.stdout
 
 
 @pytest.mark.timeout(600)

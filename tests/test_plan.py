@@ -30,6 +30,7 @@ def verify(plan=um.PLAN, model_fn=um.make_mlp, **kw):
     kw.setdefault("input_fn", um.vectors)
     kw.setdefault("mesh", (1, 2))
     kw.setdefault("impl", "reference")
+    kw.setdefault("dp", "ddp")  # the reference transform's entry point (the default, fsdp2, has a test of its own)
     return verify_plan(model_fn, plan, **kw)
 
 
@@ -49,6 +50,21 @@ def test_a_correct_plan_passes_every_check(pool):
     # what the PASS covers: the Rowwise layer's bias is the one gradient TP reduces
     assert data["exercised"] == {"reduced by tp": ["down.bias"], "precision": []}
     assert "loss: not under loss_parallel" in str(report) and "mixed precision: none" in str(report)
+
+
+def test_with_no_dp_argument_a_correct_plan_passes_on_the_pinned_torch(pool):
+    """The default entry point is fsdp2 (fully_shard), where torch 2.13 trains a TP'd model
+    exactly; under DDP it cannot pass (fault 1), and the report's first lines say so, with
+    the entry point that avoids it."""
+    report = verify_plan(um.make_mlp, um.PLAN, input_fn=um.vectors, mesh=(1, 2), steps=2, pool=pool, impl="torch")
+    assert report.status == "PASS", str(report)
+    assert "dp=fsdp2" in str(report).splitlines()[0]
+    under_ddp = verify_plan(um.make_mlp, um.PLAN, input_fn=um.vectors, mesh=(1, 2), steps=1, pool=pool,
+                            impl="torch", dp="ddp")
+    first = str(under_ddp).splitlines()[2]
+    assert under_ddp.status == "DIVERGES" and "every departure below matches torch's catalogued fault 1, DDP " \
+        "transform unregisters TP parameters" in first, str(under_ddp)
+    assert "--dp fsdp2" in first and "--baseline torch==2.13.0" in first
 
 
 def test_wildcard_keys_a_plan_function_targets_and_adam(pool):
@@ -200,6 +216,11 @@ def test_a_hang_in_the_users_forward_is_a_report_with_each_silent_ranks_stack(tm
     text = str(report)
     assert "did not answer within the 8 s timeout" in text and "in forward" in text, text
     assert "pending: torch/distributed/" in text
+    # each rank's place first: the user's own frame where it has one, then the stacks without the pool's machinery
+    first = text.index("--- rank ")
+    assert re.search(r"^rank \d: at (tests/)?user_models\.py:\d+ in forward$", text[:first], re.M), text
+    assert re.search(r"^rank \d: in torch/distributed/\S+ in \w+, called from ", text[:first], re.M), text
+    assert "multiprocessing" not in text and "ranks/pool.py" not in text and "Thread 0x" not in text
 
 
 def test_a_wrong_parallelize_function_is_reported_at_its_module(pool):
@@ -246,6 +267,9 @@ def test_a_correct_plan_passes_on_torch_with_the_shipped_baseline_its_known_faul
     assert "parameters stay registered in order (vs one device): with tpdp-verify's reference transform" in text
     assert data["status"] == "KNOWN" and data["new"] == [] and data["known"]
     assert all(k["evidence"] == REFERENCE for k in data["known"])
+    # named by the catalog, with its workaround
+    assert "fault 1, DDP transform unregisters TP parameters: workaround: " in text, text
+    assert [f["number"] for f in data["faults"]] == [1] and data["unexplained"] == []
 
 
 def test_a_wrong_plan_diverges_with_the_baseline_too(pool):

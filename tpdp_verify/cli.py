@@ -93,10 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                       "momentum 0.9)")
     plan.add_argument("--mesh", default="1x2", type=_mesh,
                       help="DPxTP, or DP_REPLICATExDP_SHARDxTP for HSDP (default: 1x2)")
-    plan.add_argument("--dp", default="ddp",
+    plan.add_argument("--dp", default="fsdp2",
                       choices=("ddp", "ddp_mesh", "replicate", "fsdp2", "fsdp1", "replicate_fsdp", "own",
                                "hsdp", "fsdp1_hybrid", "spmd_shard", "spmd_replicate", "spmd_hsdp"),
-                      help="the DP entry point tpdp-verify wraps the TP'd model in; own: --parallelize applies "
+                      help="the DP entry point tpdp-verify wraps the TP'd model in (default: fsdp2, fully_shard on "
+                      "mesh['dp'], where a correct plan passes on torch 2.13); own: --parallelize applies "
                       "DP itself (no plain-DP run then); hsdp, fsdp1_hybrid (and fsdp2, fsdp1 on a 3-D mesh): "
                       "over mesh['dp_replicate', 'dp_shard']; spmd_*: fully_shard over the whole mesh with "
                       "dp_mesh_dims sharding, replicating, or both (3-D)")
@@ -135,6 +136,23 @@ def _parser() -> argparse.ArgumentParser:
                       help="the release whose answers to print (default: torch==2.13.0)")
     memo.add_argument("--memo", metavar="FILE", help="a memo file of the gate's --memo, read as well")
     memo.add_argument("-v", "--verbose", action="store_true", help="every case with its answer")
+
+    explain = commands.add_parser("explain", help="the faults torch shows, from the catalog",
+                                  description="A fault of the catalog: what goes wrong, what it costs, the "
+                                  "workaround, where it lives in torch and where the suite meets it. With no FAULT, "
+                                  "the list of faults; --all: docs/known-divergences.md as generated.")
+    explain.add_argument("faults", nargs="*", metavar="FAULT", help="a fault's number or name")
+    explain.add_argument("--all", action="store_true", help="every fault, as the docs page")
+
+    report = commands.add_parser("report", help="an issue ready to file upstream, for a fault or a gate's finding",
+                                 description="For a FAULT of the catalog: its standalone reproduction run under "
+                                 "this interpreter and each --python, torch's code at fault, the workaround. For "
+                                 "a gate's --json FILE: its blocking finding (--finding K), from the shrunk case.")
+    report.add_argument("target", metavar="FAULT|GATE.json")
+    report.add_argument("--finding", type=int, default=1, metavar="K", help="the K-th blocking finding (default 1)")
+    report.add_argument("--python", action="append", metavar="PATH",
+                        help="run the reproduction under this interpreter too (its torch release), repeatable")
+    report.add_argument("--no-run", action="store_true", help="do not run the reproduction")
 
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
@@ -538,7 +556,43 @@ def _memo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"gate": _gate, "plan": _plan, "merge": _merge, "memo": _memo, "env": _env}
+def _explain(args: argparse.Namespace) -> int:
+    from tpdp_verify import faults
+    from tpdp_verify.faults import pages
+
+    if args.all:
+        print(pages.page(faults.CATALOG), end="")
+        return EXIT_OK
+    if not args.faults:
+        print(pages.table(faults.CATALOG))
+        print("\ntpdp-verify explain N: one fault; tpdp-verify report N: an issue ready to file upstream")
+        return EXIT_OK
+    print("\n\n".join(pages.section(_fault(ref)) for ref in args.faults))
+    return EXIT_OK
+
+
+def _fault(ref: str):
+    from tpdp_verify import faults
+
+    found = faults.find(ref)
+    if found is None:
+        raise UsageError(f"no fault {ref!r} in the catalog; `tpdp-verify explain` lists them (1 to "
+                         f"{len(faults.CATALOG)})")
+    return found
+
+
+def _report(args: argparse.Namespace) -> int:
+    from tpdp_verify.faults import issue
+
+    if args.target.endswith(".json") or os.path.sep in args.target:
+        print(issue.for_finding(issue.load(args.target), args.finding), end="")
+    else:
+        print(issue.for_fault(_fault(args.target), issue.interpreters(args.python), runs=not args.no_run), end="")
+    return EXIT_OK
+
+
+COMMANDS = {"gate": _gate, "plan": _plan, "merge": _merge, "memo": _memo, "explain": _explain, "report": _report,
+            "env": _env}
 
 
 def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -551,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT and SIGTERM raise Interrupted (once): gate and plan write what they judged
         with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
             warnings.showwarning = _one_line
-            if args.command not in ("env", "merge", "memo"):  # env says what this machine has, torch too old or not
+            if args.command not in ("env", "merge", "memo", "explain"):  # env says what this machine has, torch too old or not
                 torch_release.check()
             return COMMANDS[args.command](args)
     except UsageError as exc:

@@ -73,7 +73,8 @@ class Search(pytest.Item):
 
     def runtest(self) -> None:
         outcome = self.config.stash[RUN].search(self.prop, self.world_size)
-        known = [f.kind for f in outcome.findings if f.status == "known"]
+        known = [f.kind + (f" ({f.explanation.line()})" if f.explanation else "")
+                 for f in outcome.findings if f.status == "known"]
         if known:
             self.user_properties.append(("known", "; ".join(known)))
         if outcome.status not in ("pass", "known") or any(f.status == "not asked" for f in outcome.findings):

@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 from typing import Callable
 
+from tpdp_verify import faults
 from tpdp_verify.cases import mesh_text
 from tpdp_verify.errors import EXIT_USAGE, UsageError
 from tpdp_verify.files import write_whole
@@ -102,7 +103,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
     from tpdp_verify.runner import coverage
     from tpdp_verify.runner.gate import outcome_report
 
-    return {
+    record = {
         "schema": SCHEMA,
         "command": "gate",
         "tpdp_verify": _version(),
@@ -153,13 +154,15 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                 "message": o.message,
                 "findings": [{"status": f.status or "found", "signature": list(f.signature), "kind": f.kind,
                               "failure": f.failure, "replay": f.replay,
-                              "case": {k: repr(v) for k, v in (f.drawn or {}).items()}}
+                              "case": {k: repr(v) for k, v in (f.drawn or {}).items()},
+                              **(f.explanation.to_json() if f.explanation else {"faults": [], "unexplained": []})}
                              for f in o.findings],
                 "report": outcome_report(o),
             }
             for o in outcomes
         ],
     }
+    return record | {"catalog": faults.tally(record["properties"])}
 
 
 def _judgement(name: str, judged) -> dict | None:
@@ -285,7 +288,8 @@ def to_junit(record: dict) -> str:
         if p["status"] in ("diverges", "infra", "interrupted"):  # an interrupted search has no verdict: an error
             tag = "failure" if p["status"] == "diverges" else "error"
             blocking = [f for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED")]
-            first = f"{blocking[0]['status']}: {blocking[0]['kind']}" if blocking else p["message"]
+            first = f"{blocking[0]['status']}: {blocking[0]['kind']}{_faults(blocking[0])}" if blocking \
+                else p["message"]
             element = ET.SubElement(case, tag, message=_one_line(first), type=p["status"])
             element.text = _xml_text(p["report"])
         elif p["status"] == "known":
@@ -322,11 +326,17 @@ def to_markdown(record: dict) -> str:
     if b:
         out += [f"Against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
                 f"{b['known']} known: {'blocks' if b['blocks'] else 'passes'}.", ""]
+    c = record.get("catalog")
+    if c and c["known"]:
+        out += [f"The fault catalog explains {c['explained']} of the {c['known']} known failures"
+                + (f" (faults {', '.join(c['by_fault'])}: `tpdp-verify explain N`)" if c["by_fault"] else "")
+                + "".join(f"; not {u['property']} (world {u['world_size']}): {', '.join(u['parts'])}"
+                          for u in c["unexplained"]) + ".", ""]
     out += ["| property | world size | result | drawn | known only | findings | seconds |",
             "| --- | ---: | --- | ---: | ---: | --- | ---: |"]
     out += [f"| {p['name']} | {p['world_size']} | {p['status'].upper()} | {p['drawn']}"
             f"{' (fewer than ' + str(p['wanted']) + ')' if p['drew_fewer'] else ''} | {p['known_only']} | "
-            + ", ".join(f"{f['status']}: {f['kind']}" for f in p["findings"]).replace("|", "\\|")
+            + ", ".join(f"{f['status']}: {f['kind']}{_faults(f)}" for f in p["findings"]).replace("|", "\\|")
             + f" | {p['seconds']:.1f} |" for p in record["properties"]]
     if record.get("not_searched"):
         out += ["", "Not searched:", ""] + [f"- {x['name']} ({', '.join(x['properties'])}): {x['reason']} "
@@ -336,6 +346,12 @@ def to_markdown(record: dict) -> str:
             out += ["", f"## {p['name']} (world size {p['world_size']}): {p['status']}", "",
                     *_fenced(p["report"])]
     return "\n".join(out) + "\n"
+
+
+def _faults(finding: dict) -> str:
+    """The catalogued faults a finding's JSON names, as a table cell or a message says them."""
+    named = [f"fault {x['number']}" for x in finding.get("faults", ())]
+    return f" [{', '.join(named)}]" if named else ""
 
 
 def _cell(text: str) -> str:

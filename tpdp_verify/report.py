@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tpdp_verify import faults
 from tpdp_verify.cases import mesh_text
 from tpdp_verify.cases.training import DP, TrainCase
 from tpdp_verify.judging.verdict import Row, Verdict, on_ranks
@@ -184,13 +185,44 @@ class Report:
             return []
         out = [""]
         if known:
-            out += ["torch's faults, not the plan's: the run shows each to be torch's "
-                    "(docs/known-divergences.md says how to avoid them)"]
+            out += ["torch's faults, not the plan's: the run shows each to be torch's"]
             out += [f"  {describe(p)} (vs {against}): {self.known[against][p]}" for against, p in known]
+            named = self.named()
+            out += [f"  {f.label}: workaround: {f.fix} (tpdp-verify explain {f.number})" for f in named.faults]
+            out += [f"  no catalogued fault explains {', '.join(named.unexplained)}: news to report "
+                    "(tpdp-verify report, docs/known-divergences.md)"] if named.unexplained else []
         if new:
             out += ["the plan's departures (the run does not show them to be torch's): "
                     + ", ".join(f"{describe(p)} (vs {against})" for against, p in new)]
         return out
+
+    def named(self, known: bool = True) -> faults.Explanation:
+        """The catalogued faults that explain the departures the run shows to be torch's (or,
+        ``known=False``, the others), each against its oracle as the suite's property judges it."""
+        found: dict = {}
+        unexplained: list[str] = []
+        for against, prop in (("one device", "trains_like_one_device"), ("plain DDP", "trains_like_plain_ddp")):
+            e = faults.explain(prop, {"case": self.case}, [p for a, p in self._parts(known) if a == against])
+            found |= {f.number: f for f in e.faults}
+            unexplained += [p for p in e.unexplained if p not in unexplained]
+        return faults.Explanation(tuple(found[n] for n in sorted(found)), tuple(unexplained))
+
+    def _catalog_lines(self) -> list[str]:
+        """Without a baseline, first: the catalogued torch faults whose pattern the departures
+        match, and the entry point that avoids them. A match names; it proves nothing, so the
+        verdict stands and the baseline is how the run shows a departure to be torch's."""
+        if self.baseline or self.status == "PASS":
+            return []
+        e = self.named(known=False)
+        if not e.faults:
+            return []
+        avoid = next((dp for dp in ("fsdp2", "replicate_fsdp", "fsdp1") if dp != self.case.entry
+                      and all(DP[dp] not in f.entry_points for f in e.faults)), None)
+        return ["", f"{'every departure below matches' if e.explained else 'some departures below match'} "
+                "torch's catalogued "
+                + "; ".join(f"{f.label} (tpdp-verify explain {f.number})" for f in e.faults)
+                + (f". dp='{avoid}' (--dp {avoid}) avoids {'them' if len(e.faults) > 1 else 'it'}" if avoid else "")
+                + "; baseline='torch==2.13.0' (--baseline torch==2.13.0) has the run show whether each is torch's"]
 
     def _exercised_lines(self) -> list[str]:
         """What the run went through, so that a reader knows what a PASS covers."""
@@ -214,7 +246,8 @@ class Report:
         return next(x for x in self.lines if x.check == "trains without an exception").ok
 
     def __str__(self) -> str:
-        out = [self._title(), "", f"  {'check':<30}{'result':<8}{'compared':>9}  worst ratio / detail"]
+        out = [self._title(), *self._catalog_lines(), "",
+               f"  {'check':<30}{'result':<8}{'compared':>9}  worst ratio / detail"]
         for line in self.lines:
             result, detail = line.cell(self._reached)
             out.append(f"  {line.check:<30}{result:<8}{line.compared:>9}  {detail}".rstrip())
@@ -244,6 +277,7 @@ class Report:
             "status": self.status,
             "baseline": self.baseline or None,
             "known": [{"against": a, "part": p, "evidence": self.known[a][p]} for a, p in self._parts(True)],
+            **(self.named().to_json() if self.baseline else {"faults": [], "unexplained": []}),
             "new": [{"against": a, "part": p} for a, p in self._parts(False)] if self.baseline else [],
             "case": {"model": c.model, "mesh": list(c.mesh_shape), "dp": c.entry, "steps": c.steps,
                      "accumulate": c.accumulate, "batch": c.global_batch, "dtype": c.dtype, "seed": c.seed},

@@ -115,7 +115,7 @@ def _harness(filename: str) -> bool:
     return not (path.startswith(_TORCH) or path.startswith(tuple(_UNDER_TEST)))
 
 
-def _short(filename: str) -> str:
+def short(filename: str) -> str:
     """A file as stable text: from its package root (torch/..., tpdp_verify/...), else its name."""
     parts = os.path.abspath(filename).split(os.sep)
     for root in ("torch", "tpdp_verify", "tests"):
@@ -141,14 +141,14 @@ def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
     forward raised), the last run it went through before."""
     runs: list[list[tuple[str, str]]] = [[]]
     for frame in frames:
-        if frame[0].startswith("<") or _stdlib(frame[0]) or _short(frame[0]) == _TAPS:
+        if frame[0].startswith("<") or _stdlib(frame[0]) or short(frame[0]) == _TAPS:
             continue  # generated code (a dataclass's __init__), contextlib, functools, a tap: the caller's
         if not _harness(frame[0]):
             runs[-1].append(frame)
         elif runs[-1]:
             runs.append([])
     run = next((r for r in reversed(runs) if r), [])
-    named = [f for f in run if not _short(f[0]).startswith(_CALLING) and f[1] not in _WRAPPERS]
+    named = [f for f in run if not short(f[0]).startswith(_CALLING) and f[1] not in _WRAPPERS]
     return (named or run or [None])[0]
 
 
@@ -157,7 +157,7 @@ def _pick(frames: list[tuple[str, str]], type_name: str) -> str:
     entered = _entered(frames)
     if entered is None:
         return f"raised:{type_name}"
-    return f"raised:{type_name} at {_short(entered[0])}:{entered[1]}"
+    return f"raised:{type_name} at {short(entered[0])}:{entered[1]}"
 
 
 def _frames(exc: BaseException) -> list[tuple[str, str]]:
@@ -182,16 +182,16 @@ def innermost(exc: BaseException) -> str:
     function: file, line and function), else in the code under test."""
     user = _user_frame(exc)
     under_test = [f for f in _frames(exc) if not _harness(f[0])]
-    inner = f"{_short(under_test[-1][0])}:{under_test[-1][1]}" if under_test else ""
+    inner = f"{short(under_test[-1][0])}:{under_test[-1][1]}" if under_test else ""
     if user is None:
         return f" (raised in {inner})" if inner else ""
-    at = f"{_readable(user.filename)}:{user.lineno} in {user.name}"
+    at = f"{readable(user.filename)}:{user.lineno} in {user.name}"
     last = _innermost_frame(exc)
     raised_here = last is not None and (last.filename, last.lineno) == (user.filename, user.lineno)
     return f" (raised at {at})" if raised_here or not inner else f" (raised in {inner}, called from {at})"
 
 
-def _readable(filename: str) -> str:
+def readable(filename: str) -> str:
     """A user's file as they would name it: relative to the current directory where under it."""
     path = os.path.abspath(filename)
     here = os.getcwd() + os.sep
@@ -201,16 +201,22 @@ def _readable(filename: str) -> str:
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep  # tpdp_verify, its zoo and suite included
 
 
+def is_users(filename: str) -> bool:
+    """Whether a frame's file is the user's own code: neither torch nor tpdp-verify (nor a
+    view of it: tpdp_verify/ anywhere in the path), nor an installed package, nor the
+    standard library."""
+    path = os.path.abspath(filename)
+    return not (filename.startswith("<") or _stdlib(path) or path.startswith((_TORCH, _OURS))
+                or f"{os.sep}tpdp_verify{os.sep}" in path or f"{os.sep}site-packages{os.sep}" in path)
+
+
+def in_torch(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_TORCH)
+
+
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's own code: neither torch nor tpdp-verify (nor a view
-    of it: tpdp_verify/ anywhere in the path), nor the standard library."""
-    for frame in reversed(_summaries(exc)):
-        path = os.path.abspath(frame.filename)
-        if frame.filename.startswith("<") or _stdlib(path) or path.startswith((_TORCH, _OURS)) \
-                or f"{os.sep}tpdp_verify{os.sep}" in path or f"{os.sep}site-packages{os.sep}" in path:
-            continue
-        return frame
-    return None
+    """The innermost frame of the user's own code."""
+    return next((f for f in reversed(_summaries(exc)) if is_users(f.filename)), None)
 
 
 def _innermost_frame(exc: BaseException) -> traceback.FrameSummary | None:

@@ -47,6 +47,6 @@ def loss(out, batch):
 if __name__ == "__main__":
     plan = WRONG_PLAN if sys.argv[1:2] == ["wrong"] else PLAN
     impl = sys.argv[2] if len(sys.argv) > 2 else "torch"
-    report = verify_plan(make_block, plan, mesh=(2, 2), input_fn=inputs, loss_fn=loss, dp="ddp", impl=impl)
+    report = verify_plan(make_block, plan, mesh=(2, 2), input_fn=inputs, loss_fn=loss, impl=impl)
     print(report)
     sys.exit(0 if report.ok else 1)

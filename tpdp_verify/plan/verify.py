@@ -22,7 +22,7 @@ from tpdp_verify.plan.preflight import check_inputs, check_on_ranks
 def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn: Callable | None = None,
                 mesh: tuple[int, ...] = (1, 2),
                 input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
-                steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "ddp",
+                steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "fsdp2",
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
@@ -45,6 +45,9 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
     weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
     ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
+    fsdp2 by default (``fully_shard`` on ``mesh["dp"]``, as torchtitan composes TP: a correct
+    plan passes there on torch 2.13, where DDP's transform loses TP's parameters after the
+    first forward, fault 1 of docs/known-divergences.md);
     ddp (``_pre_dp_module_transform`` then DDP on the dp group), ddp_mesh (DDP with the dp
     sub-mesh), replicate, fsdp2 (``fully_shard``), fsdp1, or own (above); on a 3-D mesh fsdp2 or
     hsdp (``fully_shard`` on ``mesh["dp_replicate", "dp_shard"]``), fsdp1 or fsdp1_hybrid (FSDP1

@@ -29,7 +29,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import re
 import shutil
 import signal
 import socket
@@ -41,6 +40,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+from tpdp_verify import stacks as stacks_of
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout, UsageError
 
 _STOP = b"stop"
@@ -344,9 +344,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line \d+ in (?P<function>\S+)')
-
-
 # After a rank raised, the others are given the error grace to finish; ranks that used no
 # CPU for IDLE_WINDOW seconds (IDLE_CPU at most, each) are blocked in a collective for it,
 # and reported stuck at once. A rank that computes, even starved on a loaded machine, uses
@@ -381,17 +378,6 @@ class _Idleness:
         idle = all(now[r] - self.used[r] <= IDLE_CPU for r in ranks)
         self.since, self.used = time.monotonic(), now
         return idle
-
-
-def _pending(stacks: dict[int, str]) -> str:
-    """The innermost torch.distributed frame of the silent ranks' main threads (faulthandler
-    lists the current thread first, innermost frame first): the collective they wait in."""
-    for text in stacks.values():
-        for m in _FRAME.finditer(text):
-            path = m["file"].replace(os.sep, "/")
-            if "/torch/distributed/" in path:
-                return f"torch/distributed/{path.rsplit('/torch/distributed/', 1)[1]}:{m['function']}"
-    return ""
 
 
 def _ranks_text(ranks) -> str:
@@ -502,7 +488,7 @@ class _Ranks:
                            "failed rank)") if blocked else f"busy {grace:g} s later (waiting in a collective for the failed rank?)"
                     return replies | {r: ("stuck", why) for r in pending}
                 stacks = self.stacks(sorted(pending))
-                pending_in = _pending(stacks)
+                pending_in = stacks_of.pending(stacks)
                 raise RankTimeout(
                     f"{_ranks_text(pending)} of {len(self.conns)} did not answer within the "
                     f"{self.limit:g} s timeout running {what}"

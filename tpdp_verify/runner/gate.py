@@ -21,7 +21,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from hypothesis.reporting import with_reporter
 
-from tpdp_verify import interrupts, signature
+from tpdp_verify import faults, interrupts, signature
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, PoolError
 from tpdp_verify.impls import select as impl_mod
 from tpdp_verify.interrupts import Interrupted
@@ -46,6 +46,7 @@ class Finding(NamedTuple):
     drawn: dict | None = None  # the shrunk case, argument name -> value
     signature: tuple = ()  # tpdp_verify.signature: every part of what failed
     status: str = ""  # against a baseline: NEW, CHANGED, known or FIXED; "" without one
+    explanation: faults.Explanation | None = None  # the catalogued faults that explain it
 
     @property
     def blocks(self) -> bool:
@@ -237,7 +238,8 @@ def _finding(prop: Property, pool: RankPool, impl: str, text: str, sig: tuple, d
     if status in GOES_ON:
         text = f"{status}: {' + '.join(signature.describe(p) for p in sig)}"
     return Finding(text, prop.replay_code(pool.world_size, impl, drawn) if drawn else "",
-                   " + ".join(signature.describe(p) for p in sig), drawn, sig, status)
+                   " + ".join(signature.describe(p) for p in sig), drawn, sig, status,
+                   faults.explain(prop.name, drawn, sig) if sig else None)
 
 
 class InternalError(Exception):
@@ -420,7 +422,7 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    f"{len(unshrunk)} later searches reported their failures as first found: "
                    + ", ".join(f"{o.property} (world {o.world_size})" for o in unshrunk))
     if full:
-        out += list(excluded)
+        out += catalog_lines(outcomes, len(outcomes) * 10) + list(excluded)
         out.append(coverage.summary_line(coverage.unexercised()))
         for o in outcomes:
             if o.status != "pass":
@@ -429,11 +431,35 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
     unset = sum(map(len, coverage.unexercised().values()))
     out.append(f"not searched: {len(excluded)} regions of the case space; keywords no case sets: {unset} "
                "(each with its reason in the full report)")
-    lines = [f"  {f.status or 'found':<8} {o.property} (world {o.world_size}): {f.kind}"
+    out += catalog_lines(outcomes)
+    lines = [f"  {f.status or 'found':<8} {o.property} (world {o.world_size}): {f.kind}{_named(f)}"
              for o in outcomes for f in o.findings if f.status not in GOES_ON]
     lines += [f"  {'INFRA':<8} {o.property} (world {o.world_size}): {o.message.splitlines()[0]}"
               for o in outcomes if o.status == "infra" and o.message]
     return "\n".join(out + (["findings (their cases and replays in the full report):", *lines] if lines else []))
+
+
+def _named(f: Finding) -> str:
+    """The faults the catalog names for a finding, in brackets; or that it names none."""
+    if f.explanation is None:
+        return ""
+    if not f.explanation.faults:
+        return " [no catalogued fault]"
+    return f" [{'; '.join(x.label for x in f.explanation.faults)}{' + uncatalogued parts' * bool(f.explanation.unexplained)}]"
+
+
+def catalog_lines(outcomes: list[Outcome], most: int = 5) -> list[str]:
+    """How many known failures the catalog explains; each it does not (``most`` of them), for it is news."""
+    known = [(o, f) for o in outcomes for f in o.findings if f.status == "known" and f.explanation]
+    if not known:
+        return []
+    named = sorted({x.number for _, f in known for x in f.explanation.faults})
+    out = [f"the fault catalog explains {sum(f.explanation.explained for _, f in known)} of {len(known)} known "
+           f"failures (faults {', '.join(map(str, named)) or 'none'}; tpdp-verify explain N)"]
+    news = [f"  no catalogued fault explains {', '.join(f.explanation.unexplained)} in {o.property} (world "
+            f"{o.world_size}): news, though the baseline release fails alike" for o, f in known
+            if not f.explanation.explained]
+    return out + news[:most] + ([f"  and {len(news) - most} more (the full report)"] if len(news) > most else [])
 
 
 def outcome_report(o: Outcome) -> str:
@@ -444,11 +470,13 @@ def outcome_report(o: Outcome) -> str:
     if o.message:
         out.append(o.message)
     for f in (f for f in o.findings if f.status not in GOES_ON):
-        out += ["", f"{f.status or 'found'}: {f.kind}", f"signature: {', '.join(f.signature)}", f.failure]
+        out += ["", f"{f.status or 'found'}: {f.kind}", f"signature: {', '.join(f.signature)}"]
+        out += [f"catalog: {f.explanation.line()}"] if f.explanation else []
+        out.append(f.failure)
         if f.replay:
             out += ["(the case as first found: the gate's shrinking budget was spent)"] if o.unshrunk else []
             out += [REPLAY, f.replay.rstrip()]
-    known = [f.kind for f in o.findings if f.status == "known"]
+    known = [f.kind + _named(f) for f in o.findings if f.status == "known"]
     if known:
         out += ["", f"known ({o.stats.known} examples showed only failures the baseline release shows on the same "
                     "case): " + "; ".join(known)]

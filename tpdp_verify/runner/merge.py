@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tpdp_verify import faults
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, UsageError
 from tpdp_verify.runner.selection import parse
 
@@ -64,6 +65,7 @@ def merge(records: list[tuple[str, dict]]) -> dict:
         "parts": [{"shard": r["selection"]["shard"], "seconds": r["seconds"], "exit_code": r["exit_code"],
                    "started": r["started"]} for r in parts],
         "properties": properties,
+        "catalog": faults.tally(properties),
     }
     merged["exit_code"] = _exit_code(merged, parts)
     return merged

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis.statistics import collector
 
-from tpdp_verify import signature
+from tpdp_verify import signature, stacks
 from tpdp_verify.cases import case_types
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.judging.divergence import Divergence, divergence
@@ -113,9 +113,8 @@ def finding(exc: BaseException) -> Divergence | None:
     if isinstance(exc, RankDied):
         return divergence((signature.crash(getattr(exc, "signal", "")),))(str(exc))
     if isinstance(exc, RankTimeout):
-        stacks = getattr(exc, "stacks", {}) or {}
-        text = "\n".join([str(exc)] + [f"--- rank {r} stack ---\n{t.rstrip()}" for r, t in sorted(stacks.items())])
-        return divergence((signature.HANG,))(text)
+        dumps = getattr(exc, "stacks", {}) or {}
+        return divergence((signature.HANG,))("\n".join(filter(None, [str(exc), stacks.report(dumps)])))
     if isinstance(exc, RankFailed):
         parts = {_part(tb) for tb in exc.tracebacks.values()}
         if all(" at " in p for p in parts):  # raised by the code under test, not by ours

@@ -1,0 +1,968 @@
+"""The catalog: every fault tpdp-verify has found in torch, as records (tpdp_verify.faults).
+
+docs/known-divergences.md is generated from it (``tpdp-verify explain --all``); a test keeps
+the two alike. A record's ``shows`` are the rules by which it explains a failure's parts;
+each says why it holds where it does.
+"""
+
+from tpdp_verify.faults.record import Fault, Shows
+
+DDP = ("transform_ddp", "ddp_mesh", "replicate")  # the entry points that run torch's DDP transform
+
+CATALOG = (
+Fault(
+    number=1,
+    name='DDP transform unregisters TP parameters',
+    title='After a forward, the DDP transform leaves no TP parameter registered',
+    what="""`_pre_dp_module_transform` swaps each DTensor parameter for its local shard. Its forward
+pre-hook then puts DTensors back *outside* the module's registry, so after the first
+forward `named_parameters()`, `parameters()` and `state_dict()` hold none of the TP
+weights.
+
+- **Caught by:**
+  - `registry_preserved` (`ParameterNames`, `StateDictNamesAndGlobalShapes`, `RequiresGrad`)
+  - `trains_like_one_device`, `trains_like_plain_ddp` and `entry_points_train_like_one_device` (`ParametersStayRegisteredInOrder`)
+  - `state_dict_like_unsharded`, `checkpoint_resumes`, `entry_points_state_dict_like_unsharded` (missing keys; `model state_dict is empty`)""",
+    consequence="""- An optimizer built after the first forward trains only the non-TP parameters.
+  - `state_dict()`, `get_model_state_dict` and DCP checkpoints lose every TP weight, and loading them raises `Missing key(s)`.
+  - Right after wrapping, `state_dict()` holds local shards rather than the global tensors.
+  - `tpdp-verify plan` shows the same fault on the user guide's Llama block.""",
+    workaround="""- Build the optimizer right after wrapping, before any forward.
+  - Keep the parameter handles you captured before the first forward, and checkpoint from them.
+  - Or compose TP with FSDP2 (`fully_shard`), which keeps DTensor parameters registered and checkpoints exactly.""",
+    fix='build the optimizer right after wrapping, before any forward, and checkpoint from the handles captured then; or compose TP with FSDP2 (fully_shard)',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate'),
+    apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed.tensor.parallel.ddp._pre_dp_module_transform', 'torch.distributed._composable.replicate'),
+    source=('torch.distributed.tensor.parallel.ddp:_localize_dtensor', 'torch.distributed.tensor.parallel.ddp:_reconstruct_dtensor', 'torch.distributed.tensor.parallel.ddp:_update_module_param'),
+    shows=(
+        # one forward through the transform (every case draws one) empties the registry of its DTensors
+        Shows(("check:parameter-names*", "check:parameters-count", "check:global-shapes", "check:requires_grad",
+               "check:tied-parameters", "check:state_dict-names-and-global-shapes",
+               "check:the-registry-holds-the-parameters-dp-captured"),
+              ("registry_preserved",),
+              (("dtensor_params", True),)),
+        # after training, named_parameters() lacks the TP parameters
+        Shows(("check:parameters-stay-registered-in-order",),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", DDP),)),
+        # state_dict() holds local shards after wrapping and no TP key after a forward: the checkpoint
+        # lacks them, load_state_dict and get_model_state_dict raise, get_optimizer_state_dict meets an
+        # optimizer parameter the model no longer names (KeyError), and the model loads short of what was
+        # saved, so the resumed step is not the uninterrupted one
+        Shows(("check:state_dict-*", "check:every-rank-has-the-same-state_dict-entries",
+               "check:replicas-agree-on-the-state_dict*", "check:the-loaded-model-*", "check:the-resumed-*",
+               "raised:RuntimeError at torch/nn/modules/module.py:load_state_dict",
+               "raised:RuntimeError at torch/distributed/checkpoint/state_dict.py:get_model_state_dict",
+               "raised:KeyError at torch/distributed/checkpoint/state_dict.py:get_optimizer_state_dict"),
+              ("*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP),)),
+        # a first forward under no_grad (an eval forward first, or the one before building the
+        # optimizer) leaves detached DTensors outside the registry that no later forward rebuilds: the
+        # TP parameters never get a gradient (backward raises where every parameter is TP's; where some are
+        # not, DDP's reducer waits for the TP shards' gradients: its next forward (replicate's pre-hook)
+        # raises, or the others go unreduced and the replicas part)
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward",
+               "raised:RuntimeError at torch/nn/parallel/distributed.py:forward",
+               "raised:RuntimeError at torch/distributed/_composable/replicate.py:forward_pre_hook",
+               "check:gradient-present-where-the-oracle-has-one",
+               "check:trainable-parameters-move-as-in-the-oracle", "check:every-optimizer-state-is-there",
+               "check:replicas-agree-on-*", "value:*"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("eval_first", (True,)))),
+        # the same, and the optimizer built after that forward gets no TP parameter: an empty list raises
+        Shows(("raised:RuntimeError at torch/optim/*.py:__init__",
+               "raised:RuntimeError at torch/_tensor.py:backward",
+               "raised:RuntimeError at torch/nn/parallel/distributed.py:forward",
+               "raised:RuntimeError at torch/distributed/_composable/replicate.py:forward_pre_hook",
+               "check:gradient-present-where-the-oracle-has-one",
+               "check:trainable-parameters-move-as-in-the-oracle", "check:every-optimizer-state-is-there",
+               "check:replicas-agree-on-*", "value:*"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("built", ("after_forward",)))),
+    ),
+    repro='f01_ddp_tp_params_unregistered_after_forward.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/152712',),  # closed; 2.13.0 still shows it
+),
+Fault(
+    number=2,
+    name='DP transform thaws frozen TP parameters',
+    title='Frozen TP parameters become trainable',
+    what="""`_flatten_tensor` calls `requires_grad_()` on every local shard, and `_localize_dtensor` wraps
+each shard in `nn.Parameter(t)`, whose default is `requires_grad=True`: a frozen DTensor
+parameter (`requires_grad=False`) comes back trainable. Both need the fix; FSDP1 reaches
+`_flatten_tensor` through `DTensorExtensions.pre_flatten_transform`.
+
+- **Caught by:** `flatten_roundtrip`, `fsdp_flatten_roundtrip`, and the training properties (`TheSameParametersAreTrainable`: a frozen layer moves after one step).""",
+    consequence="""frozen layers, such as a frozen embedding or an adapter's base weights, train under DDP, `replicate` or FSDP1, and the optimizer holds state for them.""",
+    workaround="""after wrapping, set `requires_grad_(False)` again on the parameters you froze (by name), and build the optimizer only from parameters that require grad.""",
+    fix='after wrapping, set requires_grad_(False) again on the parameters you froze, by name',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate', 'fsdp1'),
+    apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed._composable.replicate', 'FullyShardedDataParallel'),
+    source=('torch.distributed.tensor.parallel._data_parallel_utils:_flatten_tensor',
+            'torch.distributed.tensor.parallel.ddp:_localize_dtensor'),
+    shows=(
+        # _flatten_tensor calls requires_grad_() on every local shard, the user's own shard included
+        Shows(("check:flatten-leaves-t-s-shard-requiring-grad-as-before",), ("flatten_roundtrip",)),
+        Shows(("check:local-requires_grad", "check:requires_grad"),
+              ("flatten_roundtrip",),
+              (("requires_grad", False),)),
+        # FSDP1's pre_flatten_transform is _flatten_tensor
+        Shows(("check:pre_flatten-leaves-t-s-shard-requiring-grad-as-before",), ("fsdp_flatten_roundtrip",)),
+        Shows(("check:pre_flatten-local-requires_grad", "check:post_unflatten-requires_grad"),
+              ("fsdp_flatten_roundtrip",),
+              (("requires_grad", False),)),
+        # the transform thaws a frozen DTensor parameter right after wrapping
+        Shows(("check:requires_grad",), ("registry_preserved",), (("frozen_dtensor", True),)),
+        # frozen's TP'd mlp.w1 thawed: it trains (and the optimizer holds state for it), or backward meets
+        # the tensors it left not requiring grad
+        Shows(("check:the-same-parameters-are-trainable", "check:frozen-parameters-stay-unchanged",
+               "check:gradient-present-where-the-oracle-has-one", "check:no-unexpected-optimizer-state",
+               "raised:RuntimeError at torch/_tensor.py:backward", "value:*"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP + ("fsdp1",)), ("model", ("frozen",)))),
+        # the module DP is told to ignore, frozen by the user, is localized anyway (fault 11) and thawed:
+        # it trains on each rank's own rows, unsynced
+        Shows(("check:the-same-parameters-are-trainable", "check:frozen-parameters-stay-unchanged",
+               "check:gradient-present-where-the-oracle-has-one", "check:no-unexpected-optimizer-state",
+               "raised:RuntimeError at torch/_tensor.py:backward", "check:replicas-agree-on-*", "value:*"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("habits.ignored", ("frozen",)), ("ignored_tp", True))),
+    ),
+    repro='f02_ddp_tp_thaws_frozen_params.py',
+),
+Fault(
+    number=3,
+    name='tied TP parameters come apart under DDP',
+    title='Tied parameters come apart, and DDP cannot wrap them',
+    what="""When two modules share one DTensor parameter (an embedding tied to the output head), the
+transform localizes only one site of it (`_localize_dtensor` walks `named_parameters()`, which
+names a shared parameter once). The other site keeps the DTensor. DDP's parameter sync
+(`_sync_params_and_buffers`) then meets the DTensor beside the local shards and raises
+`RuntimeError: aten.cat.default got mixed torch.Tensor and DTensor`; with `init_sync=False`
+the backward raises the same; `replicate` raises in its first forward.
+
+- **Caught by:** the training properties (`EveryRankTrainsWithoutAnException`, on the `tied` model).
+
+- **Worse where some tp ranks hold empty shards.** The release profile (world size 8, not
+  in this baseline) wraps `tied` with dim 1, hidden 2 on a (2, 4) mesh: the tp ranks with
+  empty shards (2, 3, 6, 7) raise `aten.cat.default got mixed torch.Tensor and DTensor`
+  while the others wait in DDP's collective for them. That is a hang in a user's job. The
+  pool reports it as `RankFailed` after its error grace (the training loop says which ranks
+  caught an exception), and the reference wraps and trains the same case. Replay: the
+  release gate's report, or `trains_like_one_device.fn(pool, 'torch', case=TrainCase(model='tied',
+  size=Size(dim=1, hidden=2, heads=2, vocab=4, seq=1), mesh_shape=(2, 4), local_batch=1))` on `RankPool(8)`.""",
+    consequence="""a TP model with tied weights cannot be wrapped by `DDP(device_mesh=...)` or `replicate`.""",
+    workaround="""untie the weights for training, or use FSDP2.""",
+    fix='untie the weights for training, or use FSDP2 (fully_shard)',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate'),
+    apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed._composable.replicate'),
+    source=('torch.distributed.tensor.parallel.ddp:_localize_dtensor',),
+    shows=(
+        # the transform localizes one site of a tied DTensor parameter; the other keeps the DTensor
+        Shows(("check:tied-parameters", "check:parameters-count"),
+              ("registry_preserved",),
+              (("tied_dtensor", True),)),
+        Shows(("check:other-dtensor-parameters-are-localized",),
+              ("ignored_params_untouched",),
+              (("tied_dtensor", True),)),
+        # tied's embedding and head: DDP's parameter sync meets the DTensor (replicate's in its first
+        # forward), or without the sync the backward mixes it with the local shard; where it runs, the
+        # head's DTensor is a parameter of its own that DDP does not reduce: it trains apart, unsynced
+        Shows(("raised:*Error at torch/nn/parallel/distributed.py:__init__",
+               "raised:RuntimeError at torch/distributed/_composable/replicate.py:forward_pre_hook",
+               "raised:RuntimeError at torch/_tensor.py:backward", "check:parameters-stay-registered-in-order",
+               "check:no-unexpected-optimizer-state", "check:every-optimizer-state-is-there",
+               "check:gradient-present-where-the-oracle-has-one",
+               "check:trainable-parameters-move-as-in-the-oracle", "check:replicas-agree-on-*", "value:*"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("model", ("tied",)))),
+    ),
+    repro='f03_ddp_tp_tied_params.py',
+),
+Fault(
+    number=4,
+    name='replaced parameter moves to the end of the registration order',
+    title='A replaced parameter moves to the end of the registration order',
+    what="""`_update_module_param` deletes the attribute and sets it again, which re-registers the
+parameter last. TP's styles make every parameter of a module a DTensor, and localizing them
+all restores the order; a module that mixes DTensor and plain parameters (parameters made
+with `distribute_tensor` by hand, or an ignore list that leaves some of a module's
+parameters alone) comes back reordered.
+
+- **Caught by:** `paths_resolve` (`ReplacementKeepsTheRegistrationOrder`) and `ignored_params_untouched` (`NamesAndTheirOrderSurviveLocalize`).""",
+    consequence="""- `named_parameters()` order differs from the unsharded model's.
+  - Optimizer state and checkpoints that pair parameters by position (`optimizer.state_dict()`) pair the wrong ones.""",
+    workaround="""pair parameters by name, never by position.""",
+    fix='pair parameters by name, never by position',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate'),
+    apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed._composable.replicate'),
+    source=('torch.distributed.tensor.parallel.ddp:_update_module_param',),
+    shows=(
+        # _update_module_param deletes and sets the attribute again: the slot moves last, whatever it holds
+        Shows(("check:replacement-keeps-the-registration-order",), ("paths_resolve",)),
+        # localizing with ignored parameters replaces the others the same way
+        Shows(("check:names-and-their-order-survive-localize",),
+              ("ignored_params_untouched",),
+              (("dtensor_params", True),)),
+    ),
+    repro='f04_ddp_tp_reorders_params.py',
+),
+Fault(
+    number=5,
+    name='entry points that depart whatever the transform',
+    title='Entry points that depart whatever the transform',
+    what="""These failures occur with tpdp-verify's reference transform as well as with torch's, so
+they are torch's entry points' own. The properties that cover them are
+`entry_points_train_like_one_device`, `entry_points_state_dict_like_unsharded` and
+`entry_points_checkpoint_resume`.
+
+- **`replicate(device_mesh=...)` with TP.** It never trains an optimizer built after it. Its `state_dict()` after a forward holds local shards.
+
+- **An optimizer built before wrapping** holds the DTensors the transform swapped out, so it never sees the gradients.
+
+- **DDP with `static_graph=True` and `no_sync`** crashes, without TP too.
+
+- **FSDP1 with a 2-D mesh:**
+  - it cannot accumulate under `no_sync`, and on some layouts this hangs (docs/properties.md);
+  - it cannot write back a sequence-parallel block on one dp rank (where FSDP1 falls back to `NO_SHARD`: fault 20);
+  - on the CPU, `FSDP.optim_state_dict` reports `exp_avg` holding `exp_avg_sq` (its gather
+    reuses one buffer for every state and "offloads" with a `.cpu()` that is a no-op there);
+  - `get_optimizer_state_dict` loses the tp dimension.
+
+- **DCP of DDP's optimizer state** gives every tp rank one rank's state.
+
+- **DCP and `set_optimizer_state_dict`** cannot resume an optimizer when one of its parameters never got a gradient. This happens without TP too.""",
+    consequence="""the optimizer of a `replicate`d or pre-wrap-built model trains nothing; accumulation, optimizer checkpoints and resumption fail or go wrong under the entry points named.""",
+    workaround="""use FSDP2 `fully_shard` on the dp dimension, or DDP with the optimizer
+built after wrapping. Checkpoint through `get_model_state_dict` or `state_dict`, not
+through DCP's optimizer state.""",
+    fix="use FSDP2 fully_shard on the dp dimension, or DDP with the optimizer built after wrapping; checkpoint through get_model_state_dict, not DCP's optimizer state",
+    entry_points=('replicate', 'transform_ddp', 'ddp_mesh', 'fsdp1'),
+    apis=('torch.distributed._composable.replicate', 'DistributedDataParallel(static_graph=True).no_sync', 'FullyShardedDataParallel.optim_state_dict', 'torch.distributed.checkpoint.state_dict.get_optimizer_state_dict'),
+    source=('torch.distributed._composable.replicate:_ReplicateState.init', 'torch.distributed.fsdp._optim_utils:_allgather_orig_param_states'),
+    shows=(
+        # replicate localizes in its first forward: an optimizer built on it before that holds the
+        # DTensors that forward swaps out, which never get a gradient
+        Shows(("check:gradient-present-where-the-oracle-has-one", "check:every-optimizer-state-is-there",
+               "check:no-unexpected-optimizer-state", "check:trainable-parameters-move-as-in-the-oracle",
+               "check:replicas-agree-on-*", "value:*"),
+              ("entry_points_train_like_one_device", "miswiring_refused_or_exact"),
+              (("entry", ("replicate",)),)),
+        # an optimizer built before wrapping holds the DTensors the transform swapped out: it never steps
+        Shows(("check:gradient-present-where-the-oracle-has-one", "check:every-optimizer-state-is-there",
+               "check:no-unexpected-optimizer-state", "check:trainable-parameters-move-as-in-the-oracle", "value:*",
+               "raised:KeyError at torch/distributed/checkpoint/state_dict.py:get_optimizer_state_dict",
+               "check:the-loaded-*", "check:the-resumed-*"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("built", ("before_wrap",)))),
+        # DDP's static graph under no_sync: its reducer asserts in the backward, without TP too
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward",
+               "raised:RuntimeError at torch/nn/parallel/distributed.py:forward"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("ddp.static_graph", True), ("accumulate", (2, 3)))),
+        # FSDP1 with TP cannot accumulate under no_sync: its writeback raises (invalid python storage)
+        # on the ranks whose flat shard holds a TP parameter, while the others wait
+        Shows(("raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward", "hang"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fsdp1",)), ("accumulate", (2, 3)))),
+        # FSDP1's get_optimizer_state_dict loses the tp dimension (get_set, dcp); DCP of DDP's optimizer
+        # state gives every tp rank one rank's state
+        Shows(("check:the-loaded-optimizer-holds-the-saved-state", "check:the-resumed-*"),
+              ("*checkpoint_resume*",),
+              (("entry", ("fsdp1",)), ("route", ("get_set", "dcp")))),
+        Shows(("check:the-loaded-optimizer-holds-the-saved-state", "check:the-resumed-*"),
+              ("entry_points_checkpoint_resume",),
+              (("entry", DDP), ("route", ("dcp",)))),
+        # DCP and set_optimizer_state_dict cannot resume a parameter that never got a gradient (unused's
+        # spare branch), whatever the entry point and without TP too
+        Shows(("raised:CheckpointException at torch/distributed/checkpoint/utils.py:inner_func",
+               "raised:RuntimeError at torch/distributed/checkpoint/state_dict.py:set_optimizer_state_dict"),
+              ("*checkpoint_resume*",),
+              (("model", ("unused",)), ("route", ("get_set", "dcp")))),
+    ),
+    repro='f05_entry_points_depart.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/152712', 'https://github.com/pytorch/pytorch/issues/143580'),
+),
+Fault(
+    number=6,
+    name="FSDP1's TP extension chunks uneven and HSDP tensors wrong",
+    title="FSDP1's tensor-parallel extension (`DTensorExtensions`)",
+    what="""- **`chunk_dtensor` with an unevenly sharded tp dimension.** It calls `from_local` without the global shape, so the ranks disagree on it (`ChunkDtensorAgreesOnTheGlobalShape...`).
+
+- **A plain tensor on a 3-D (HSDP) mesh** is sharded across the replicas (`ChunkDtensorPlacements`).
+
+- **`chunk_tensor`:**
+  - it uses a tp-group rank where ShardedTensor expects a global rank, so ranks 2 and 3 raise `Global rank 0 does not exist` and `Global rank 1 does not exist` (`ChunkTensorRuns`);
+  - it files tp rank 1's own shard under rank 0;
+  - its offsets use floor division, so uneven pieces overlap.
+
+FSDP1 with a device mesh always takes the `chunk_dtensor` path (a mesh sets `_use_dtensor`);
+`chunk_tensor` is reached by calling the extension directly.""",
+    consequence="""FSDP1 state dicts of TP models with uneven shapes, or on HSDP meshes, are wrong or fail to build.""",
+    workaround="""keep every TP-sharded dimension divisible by the tp degree, or use FSDP2.""",
+    fix='keep every TP-sharded dimension divisible by the tp degree, or use FSDP2',
+    entry_points=('fsdp1',),
+    apis=('FullyShardedDataParallel(device_mesh=...)', 'torch.distributed.tensor.parallel.fsdp.DTensorExtensions'),
+    source=('torch.distributed.tensor.parallel.fsdp:_chunk_dtensor', 'torch.distributed.tensor.parallel.fsdp:_chunk_tensor'),
+    shows=(
+        # chunk_dtensor calls from_local without the global shape: on uneven tp shards ranks disagree
+        Shows(("check:chunk_dtensor-agrees-on-the-global-shape-on-every-rank-before-communicating",),
+              ("chunk_dtensor_layout",),
+              (("tp_uneven", True),)),
+        # a plain tensor on HSDP's 3-D mesh is sharded over the replicate dimension
+        Shows(("check:chunk_dtensor-placements", "check:chunk_dtensor-local-shape",
+               "check:chunk_dtensor-local-values"),
+              ("chunk_dtensor_layout",),
+              (("tp_placement", (None,)), ("mesh_dims", (3,)))),
+        # chunk_tensor places a DTensor's shard on its tp-group rank, which ShardedTensor reads as a
+        # global rank: beyond the first dp group the rank does not exist
+        Shows(("raised:ValueError at torch/distributed/tensor/parallel/fsdp.py:chunk_tensor",),
+              ("chunk_tensor_metadata",),
+              (("tp_placement", True), ("dp", (2, 3, 4, 5, 6, 7, 8)))),
+        # ... and floor division sizes uneven pieces so that they overlap
+        Shows(("raised:ValueError at torch/distributed/tensor/parallel/fsdp.py:chunk_tensor",),
+              ("chunk_tensor_metadata",),
+              (("tp_uneven", True),)),
+        # ... and files tp rank 1's own shard under rank 0
+        Shows(("check:chunk_tensor-local-shard-is-listed-in-the-metadata",),
+              ("chunk_tensor_metadata",),
+              (("tp_sharded", True), ("tp", (2, 3, 4, 5, 6, 7, 8)))),
+        # FSDP1's state dict of an unevenly sharded TP model goes through the same chunking: a rank
+        # aborts in gloo, or waits for one that raised
+        Shows(("crash:SIGABRT", "hang"),
+              ("*checkpoint_resume*", "*state_dict_like_unsharded"),
+              (("entry", ("fsdp1",)), ("tp_uneven", True))),
+    ),
+    repro='f06_fsdp1_dtensor_extensions.py',
+    upstream=('https://github.com/pytorch/pytorch/pull/123812', 'https://github.com/pytorch/pytorch/pull/188947'),
+),
+Fault(
+    number=7,
+    name='SequenceParallel thaws frozen parameters',
+    title='SequenceParallel thaws frozen parameters',
+    what="""`SequenceParallel._replicate_module_fn` wraps each parameter of a norm in a new
+`nn.Parameter`, whose default is `requires_grad=True`. Every other style keeps the
+original's flag (pytorch/pytorch#171709 fixed `distribute_module`, `ColwiseParallel` and
+`RowwiseParallel`, not this one). No DP entry point is involved.
+
+- **Caught by:** `tp_keeps_requires_grad` (`check:tp-keeps-requires_grad`) on `llama_sp`
+  and `llama_lm`, with the reference transform too. The training properties met it first,
+  with `Habits(ignored="frozen")` on `llama_sp` while the habit froze only before TP; the
+  habit now freezes again after TP, as users who freeze a parallelized model do, so the
+  training search goes on past it.""",
+    consequence="""a norm frozen before `parallelize_module` trains, and the optimizer holds state for it.""",
+    workaround="""freeze after `parallelize_module`.""",
+    fix='freeze after parallelize_module',
+    entry_points=(),
+    apis=('parallelize_module', 'SequenceParallel'),
+    source=('torch.distributed.tensor.parallel.style:SequenceParallel._replicate_module_fn',),
+    shows=(
+        # SequenceParallel's norms come back as new nn.Parameters, requiring grad
+        Shows(("check:tp-keeps-requires_grad",),
+              ("tp_keeps_requires_grad",),
+              (("model", ("llama_sp", "llama_lm")),)),
+    ),
+    repro='f07_sequence_parallel_thaws_frozen.py',
+),
+Fault(
+    number=8,
+    name='clip_grad_norm_ misses the global norm',
+    title='`clip_grad_norm_` does not see the global norm',
+    what="""- **Under DDP with TP** (`ddp_mesh`, `transform_ddp`, `replicate`) each rank clips by the
+  norm of what `model.parameters()` holds: its local shards, so tp ranks clip by different
+  factors and replicas drift apart (with the reference transform too). On torch 2.13 the TP
+  parameters are not in `parameters()` after a forward (fault 1): they are not clipped at all.
+
+- **Under FSDP2 with TP** (`fully_shard`, `replicate_fsdp`) it raises `All operands in
+  aten.stack.default must have the same mesh` when the plan leaves a parameter unsharded
+  by TP (a norm): that one lives on the 1-D dp mesh, the rest on the 2-D mesh.
+
+- **Caught by:** `entry_points_train_like_one_device` (`value:gradient-norm`, each rank's
+  norm against the single-device one; `raised:RuntimeError` in the norm's `stack`).""",
+    consequence="""replicas clip by different factors and drift apart (DDP), or training raises at the first clip (FSDP2); a job that clips trains other than one device would.""",
+    workaround="""under DDP, compute the norm yourself: the squared norms of the local
+  shards summed over the tp group (once for a Replicate parameter), then `clip_coef` on
+  every gradient. Under FSDP2, give every parameter a TP style (norms `SequenceParallel`,
+  as torchtitan does), so all live on the 2-D mesh.""",
+    fix="under DDP sum the local shards' squared norms over the tp group yourself; under FSDP2 give every parameter a TP style so all live on one mesh",
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate', 'fully_shard', 'replicate_fsdp', 'fsdp1'),
+    apis=('torch.nn.utils.clip_grad_norm_', 'torch.nn.utils.get_total_norm', 'FullyShardedDataParallel.clip_grad_norm_'),
+    source=('torch.nn.utils.clip_grad:_get_total_norm', 'torch.nn.utils.clip_grad:clip_grad_norm_'),
+    shows=(
+        # under DDP each tp rank clips by its own shards' norm, and not the TP parameters after a forward
+        Shows(("value:*", "check:replicas-agree-on-*"),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", DDP), ("habits.clip", True))),
+        # under FSDP2 a parameter no TP style covers lives on the 1-D dp mesh, the rest on the 2-D one:
+        # the norm's stack refuses them (a plain norm or layer in the plan's model, or an ignored module)
+        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:*",),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", ("fully_shard", "replicate_fsdp")),
+               ("habits.clip", True),
+               ("model", ("nested", "llama", "frozen")))),
+        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:*",),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", ("fully_shard", "replicate_fsdp")), ("habits.clip", True), ("habits.ignored", True))),
+        # FSDP1's clip_grad_norm_ reduces the norm of each rank's flat shards over the dp group only: the
+        # tp ranks clip by factors of their own
+        Shows(("value:*", "check:replicas-agree-on-*"),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", ("fsdp1",)), ("habits.clip", True))),
+        # ... and folds an ignored module's DTensor gradients in with its plain flat shards: DTensor's
+        # dispatch asserts (FSDP1 without TP clips the same case)
+        Shows(("raised:AssertionError at torch/distributed/fsdp/fully_sharded_data_parallel.py:clip_grad_norm_",),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", ("fsdp1",)), ("habits.clip", True), ("ignored_tp", True))),
+    ),
+    repro='f08_clip_grad_norm_not_global.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/180346',),
+),
+Fault(
+    number=9,
+    name='activation checkpointing under DDP with TP',
+    title='Activation checkpointing, or a block called directly, under DDP with TP',
+    what="""The DDP transform's forward hook makes the parameters local shards again after the
+forward; a checkpointed block recomputed in the backward then meets local shards where
+the forward had DTensors (`CheckpointError: Recomputed values ... have different
+metadata`, or `mixed torch.Tensor and DTensor`). torch 2.13's transform escapes it only
+through fault 1 (its DTensors stay outside the registry, where the recomputation finds
+them) except for tied weights (fault 3), where the tie's other site breaks the
+recomputation; the reference transform, which keeps the registry, raises on every model.
+On torch 2.13 the tied case fails without checkpointing too (fault 3's mixed
+`torch.Tensor` and DTensor in the backward, with `init_sync=False`); checkpointing changes
+the failure to `CheckpointError`.
+
+A block called directly between steps (`ddp.module.w2(h)`, `Habits(between="submodule")`)
+meets the same: the transform's hooks are the root's, so between forwards a TP block
+holds local shards, and with the reference the call raises `mixed torch.Tensor and
+DTensor`. torch 2.13 computes it right, through fault 1 again, so it has no entry of its
+own; a torch whose fix of fault 1 keeps the registry the reference's way raises
+there, and the gate reports it NEW (`raised:RuntimeError at torch/nn/modules/linear.py:forward`
+in `entry_points_train_like_one_device`).
+
+- **Caught by:** `entry_points_train_like_one_device` (`raised:CheckpointError`).""",
+    consequence="""a fix of fault 1 must keep the TP parameters as DTensors until the
+  backward is done, and give a block called on its own its DTensors (hooks on each TP
+  module, not only the root), or activation checkpointing and direct calls with DDP and
+  TP break.""",
+    workaround="""FSDP2 (`fully_shard` or its `replicate`) with activation checkpointing trains exactly.""",
+    fix='use FSDP2 (fully_shard or its replicate) with activation checkpointing',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate'),
+    apis=('torch.utils.checkpoint', 'torch.distributed._composable.checkpoint', 'DistributedDataParallel(device_mesh=...)'),
+    source=('torch.distributed.tensor.parallel.ddp:_pre_dp_module_transform',),
+    shows=(
+        # a checkpointed block recomputed in the backward meets local shards where the forward had DTensors
+        # (CheckpointError), or plain tensors among DTensors (replicate: mixed torch.Tensor and DTensor in a
+        # block's Linear; gone without checkpointing)
+        Shows(("raised:CheckpointError at torch/_tensor.py:backward",
+               "raised:RuntimeError at torch/nn/modules/linear.py:forward"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", DDP), ("habits.checkpoint", True))),
+    ),
+    repro='f09_checkpoint_under_ddp_tp.py',
+),
+Fault(
+    number=10,
+    name='crossed meshes torch accepts',
+    title='Crossed meshes that torch accepts',
+    what="""`miswiring_refused_or_exact` gives each entry point a mesh a user can get wrong
+(docs/properties.md). Most refuse before training. These do not:
+
+- **DP given `mesh["tp"]`** (`DDP(device_mesh=mesh["tp"])`, `transform_ddp` on the tp group,
+  `replicate(device_mesh=mesh["tp"])`, FSDP1 too; FSDP2 refuses it) is accepted: DDP's initial broadcast copies tp rank
+  0's shards over the other tp ranks' (every parameter is off before the first step), and
+  each step averages different shards. Replay: `TrainCase(model="mlp", size=Size(dim=1,
+  hidden=2), mesh_shape=(2, 2), entry="ddp_mesh", wiring="dp_over_tp")`.
+
+- **The same with shards of unequal size hangs.** DDP's check that every rank's parameters
+  have the same shapes raises on the tp ranks whose shard differs from rank 0's, while rank
+  0 goes on into the next collective and waits: a hang in a user's job
+  (`raised:RuntimeError at torch/nn/parallel/distributed.py:__init__`, raised in
+  `_verify_param_shape_across_processes`, the report naming the rank left waiting;
+  `replicate`'s the same at its `forward_pre_hook`).
+  FSDP1 given `mesh["dp"]` crossed with TP on the tied model aborts a rank (`crash:SIGABRT`).
+  Replay: `TrainCase(model="mlp", size=Size(dim=4, hidden=3), mesh_shape=(2, 2),
+  entry="ddp_mesh", wiring="dp_over_tp")`.
+
+- **TP applied over `mesh["dp"]`** is accepted by every DDP entry point and FSDP1 (FSDP2 refuses it): the model trains
+  sharded over dp and replicated over tp, and its frozen layers thaw (fault 2). Replay:
+  `TrainCase(model="frozen", mesh_shape=(2, 2), entry="transform_ddp", wiring="tp_over_dp")`.
+
+- **Refusals that are not about the mesh** are findings too: DDP given a process group
+  while its parameters are DTensors raises `NotImplementedError` (`c10d.broadcast_` has no
+  sharding strategy) at DDP's `__init__`, and FSDP1 given the whole 2-D mesh raises
+  `resize_() on an invalid python storage` at FSDP's `__init__`, as does FSDP1 given the
+  dp process group (`process_group=mesh["dp"].get_group()`, where it installs no DTensor
+  extension; with the Llama model: `aten.cat.default got mixed torch.Tensor and DTensor`,
+  flattening). Neither says what is wrong,
+  and an exception of any cause before the first step passed for a refusal before
+  (`oracles/verdicts.py`, `refusal`: the error must speak of the mesh or the group).
+
+Each replay: `miswiring_refused_or_exact.fn(pool, "torch", case=...)` on `RankPool(4)`.""",
+    consequence="""a crossed mesh trains, silently wrong (every parameter off before the first step,
+  replicas averaging different shards), or hangs a job; the refusals that are not about the
+  mesh do not tell the user what is wrong.""",
+    workaround="""hand DP `mesh["dp"]` and TP `mesh["tp"]`; `tpdp-verify plan` refuses
+a `parallelize_fn` that crosses them, with one line, before training.""",
+    fix='hand DP mesh["dp"] and TP mesh["tp"]',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate', 'fsdp1'),
+    apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed._composable.replicate', 'FullyShardedDataParallel(device_mesh=...)', 'parallelize_module'),
+    source=('torch.nn.parallel.distributed:DistributedDataParallel.__init__',),
+    shows=(
+        # DP given mesh["tp"], or TP over mesh["dp"], accepted: DDP's broadcast and average mix different
+        # shards, unequal shards fail DDP's shape check (replicate's in its first forward) while a rank
+        # waits, FSDP1 flattens and writes back the crossed shards or aborts
+        Shows(("check:refuses-a-miswiring-before-training-or-trains-exactly", "check:replicas-agree-on-*",
+               "value:*", "check:trainable-parameters-move-as-in-the-oracle",
+               "raised:RuntimeError at torch/nn/parallel/distributed.py:__init__",
+               "raised:RuntimeError at torch/distributed/_composable/replicate.py:forward_pre_hook",
+               "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward",
+               "crash:SIGABRT", "hang"),
+              ("miswiring_refused_or_exact",),
+              (("wiring", ("dp_over_tp", "tp_over_dp")), ("entry", DDP + ("fsdp1",)))),
+        # refusals not about the mesh: DDP given a process group meets DTensor parameters in its broadcast,
+        # FSDP1 given the whole 2-D mesh or the dp group fails flattening them
+        Shows(("check:refuses-a-miswiring-before-training-or-trains-exactly",
+               "raised:*Error at torch/nn/parallel/distributed.py:__init__"),
+              ("miswiring_refused_or_exact",),
+              (("wiring", ("dp_by_group",)), ("entry", DDP))),
+        Shows(("check:refuses-a-miswiring-before-training-or-trains-exactly",
+               "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:*"),
+              ("miswiring_refused_or_exact",),
+              (("wiring", ("dp_over_mesh", "dp_by_group")), ("entry", ("fsdp1",)))),
+    ),
+    repro='f10_crossed_meshes_accepted.py',
+),
+Fault(
+    number=11,
+    name='DDP localizes the parameters it is told to ignore',
+    title='DDP with TP, and `replicate()`, localize what they are told to ignore',
+    what="""A user keeps a module out of DP (DDP's `_set_params_and_buffers_to_ignore_for_model`,
+`replicate(ignored_modules=...)`, FSDP's `ignored_params`/`ignored_modules`) to train it
+apart, or because it is frozen. DP's contract is to leave it alone. With TP:
+
+- **DDP** (`DDP(device_mesh=...)` and `_pre_dp_module_transform`) calls
+  `_localize_dtensor(module, None, None)`: the ignore list never reaches it, and every
+  DTensor parameter, the ignored ones too, is replaced by its plain local shard at wrapping.
+
+- **`replicate()`** passes its ignored parameters to `_localize_dtensor` at wrapping, but the
+  forward hook it registers for TP (`module.register_forward_hook(_localize_dtensor)`) is
+  called with no ignore list: after the first forward the ignored ones are local shards too.
+
+- **FSDP1, `fully_shard` and the FSDP2-based `replicate`** leave them as they were.
+
+- **The fix is at hand:** the user names the ignore list on the module before wrapping
+  (`_set_params_and_buffers_to_ignore_for_model` sets `_ddp_params_and_buffers_to_ignore`),
+  and DDP reads it only after the transform ran; tpdp-verify's reference transform reads it
+  first and leaves those parameters alone at wrapping and after every forward, and trains
+  exactly (`--impl reference`).
+
+- **Caught by:** every training property whose case draws `Habits(ignored=...)`
+  (`check:what-dp-is-told-to-ignore-stays-as-the-user-left-it`, which names each parameter and
+  when it changed: `w1.weight is localized after wrapping (a DTensor the user left)`);
+  tests/test_ignored.py runs each entry point on the MLP.""",
+    consequence="""the ignored module holds local shards where the user's code expects
+  DTensors: an optimizer or a checkpoint built from it sees shards with no layout, and a
+  user's own gradient sync over dp runs on what DP, not TP, left there.""",
+    workaround="""`fully_shard` or the FSDP2-based `replicate` with `ignored_params`, which
+  leave them alone (tested); with DDP, nothing short of keeping the module out of the
+  wrapped model.""",
+    fix='use fully_shard or the FSDP2-based replicate with ignored_params',
+    entry_points=('transform_ddp', 'ddp_mesh', 'replicate'),
+    apis=('DistributedDataParallel._set_params_and_buffers_to_ignore_for_model', 'torch.distributed._composable.replicate(ignored_modules=...)'),
+    source=('torch.distributed.tensor.parallel.ddp:_localize_dtensor', 'torch.distributed.tensor.parallel.ddp:_pre_dp_module_transform', 'torch.distributed._composable.replicate:replicate'),
+    shows=(
+        # DDP localizes every DTensor at wrapping, replicate's hook after each forward: the ignored ones too
+        Shows(("check:what-dp-is-told-to-ignore-stays-as-the-user-left-it",),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", DDP), ("ignored_tp", True))),
+    ),
+    repro='f11_dp_localizes_ignored_params.py',
+),
+Fault(
+    number=12,
+    name='FSDP1 with TP leaves a pre-wrap optimizer untrained',
+    title='With TP, FSDP1 trains nothing an optimizer built before wrapping holds',
+    what="""FSDP1 with `use_orig_params=True` keeps the user's parameters, so an optimizer built on the
+model before wrapping trains it: plain FSDP1 does, and tpdp-verify drew no such case until
+an exclusion said both FSDP versions replace the parameters (FSDP2 does; its exclusion
+stays, `tests/test_exclusions.py` shows it departing without TP too). With TP the
+parameters are DTensors, and after wrapping the model computes with others, rebuilt from
+FSDP1's flat shards by its TP extension (`DTensorExtensions`): the optimizer's DTensors get
+no gradient, and its steps move nothing the model computes with.
+
+- **Caught by:** `entry_points_train_like_one_device` (`trainable parameters move as in the
+  oracle` + `value:parameter`, every parameter staying where it was), and
+  `entry_points_checkpoint_resume`, where `get_optimizer_state_dict` raises `KeyError` on the
+  DTensors the optimizer holds and the model no longer does.""",
+    consequence="""an optimizer built before FSDP1 wraps a TP'd model never moves the weights the model computes with, silently; resuming from its state raises `KeyError`.""",
+    workaround="""build the optimizer on the wrapped model (`fsdp.parameters()`).""",
+    fix='build the optimizer on the wrapped model (fsdp.parameters())',
+    entry_points=('fsdp1',),
+    apis=('FullyShardedDataParallel(use_orig_params=True)', 'torch.optim'),
+    source=('torch.distributed.fsdp._flat_param:FlatParamHandle._init_flat_param_and_metadata',),
+    shows=(
+        # the optimizer built before FSDP1 wraps holds DTensors the model no longer computes with
+        Shows(("check:trainable-parameters-move-as-in-the-oracle",
+               "check:gradient-present-where-the-oracle-has-one", "value:parameter", "value:gradient"),
+              ("*train*", "miswiring_refused_or_exact"),
+              (("entry", ("fsdp1",)), ("built", ("before_wrap",)))),
+        # ... and get_optimizer_state_dict meets them, named by no module
+        Shows(("raised:KeyError at torch/distributed/checkpoint/state_dict.py:get_optimizer_state_dict",),
+              ("*checkpoint_resume*",),
+              (("entry", ("fsdp1",)), ("built", ("before_wrap",)))),
+    ),
+    repro='f12_fsdp1_tp_optimizer_before_wrap.py',
+),
+Fault(
+    number=13,
+    name='loss_parallel hangs on an empty vocab shard',
+    title='`loss_parallel` over a vocab that leaves a tp rank no column hangs',
+    what="""`ColwiseParallel` on an output head shards the vocab with `torch.chunk`: a vocab of 5 over
+4 tp ranks gives 2, 2, 1 and 0 columns. Under `loss_parallel()`, the cross entropy raises
+on the rank with none (`RuntimeError: index 0 is out of bounds for dimension 1 with size 0`,
+in `_nll_loss_forward`) while the others wait for it in a collective: the job hangs. An
+exclusion (`vocab_empty_shard`) kept such vocabs out of every draw, for the hang; a hang is a
+finding, and the zoo's `llama_lm` and `tied` now draw any vocab from 2 to 32.
+
+- **Caught by:** any training or checkpoint property that draws `llama_lm` with such a
+  vocab on 4 tp ranks, such as `state_dict_like_unsharded` and
+  `entry_points_state_dict_like_unsharded` at world size 4
+  (`raised:RuntimeError at torch/nn/functional.py:cross_entropy`; the ranks left waiting
+  are named in the report).""",
+    consequence="""a job whose vocab does not fill every tp rank hangs at its first loss, with no error on the ranks that wait.""",
+    workaround="""a vocab that every tp rank gets a column of (pad it to a multiple of tp,
+  as Megatron and torchtitan do).""",
+    fix='pad the vocab to a multiple of the tp degree',
+    entry_points=(),
+    apis=('torch.distributed.tensor.parallel.loss_parallel', 'ColwiseParallel'),
+    source=('torch.distributed.tensor.parallel.loss:_log_softmax', 'torch.distributed.tensor.parallel.loss:_nll_loss_forward'),
+    shows=(
+        # loss_parallel's cross entropy (and nll_loss) raises on the tp rank with no vocab column while
+        # the others wait in a collective: llama_lm's own loss, or a drawn loss under loss_parallel
+        Shows(("raised:RuntimeError at torch/nn/functional.py:cross_entropy",
+               "raised:RuntimeError at torch/nn/functional.py:nll_loss", "hang"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("model", ("llama_lm",)), ("loss", (None,)), ("vocab_empty", True))),
+        Shows(("raised:RuntimeError at torch/nn/functional.py:cross_entropy",
+               "raised:RuntimeError at torch/nn/functional.py:nll_loss", "hang"),
+              ("losses_train_like_one_device",),
+              (("loss.parallel", True), ("vocab_empty", True))),
+    ),
+    repro='f13_loss_parallel_empty_vocab_shard.py',
+),
+Fault(
+    number=14,
+    name='FSDP1 summon_full_params(with_grads=True) aborts in half precision',
+    title='FSDP1 alone, in half precision, aborts a rank reading gradients with `summon_full_params`',
+    what="""Not the composition's: FSDP1 without TP. `FSDP.summon_full_params(with_grads=True)` gathers
+each rank's gradient shard; where a rank's flat-parameter shard holds only frozen
+parameters, its gradient is `None` and `FlatParamHandle.unshard_grad` stands in zeros built
+with no dtype (float32). In bfloat16 or float16 the all-gather then meets float32 beside
+half precision: one rank raises (`attempting to assign a gradient with dtype 'float' to a
+tensor with grad_dtype 'BFloat16'`) and another aborts in gloo (`Received data size doesn't
+match expected size`). Training itself runs; reading the gradients kills the job. An
+ignored module is one way to leave a rank only frozen parameters (the `frozen` model with
+its first layer ignored); a `Sequential(frozen Linear, Linear)` does it without one. The fix
+is one dtype argument.
+
+- **Caught by:** no property's verdict: the explaining run (the same DP entry point without
+  TP) meets it beside a TP+DP failure, `could not be run: rank 2 of 4 was killed by
+  SIGABRT`; tests/test_training.py keeps it under test.""",
+    consequence="""a job that reads FSDP1's full gradients (for logging, clipping or a check) in half
+  precision dies with a gloo error that says nothing of the cause.""",
+    workaround="""read gradients in float32, or keep a trainable parameter in every rank's shard (no
+  ignored module that leaves a rank only frozen ones); FSDP2 (`fully_shard`) reads
+  gradients as DTensors without a gather.""",
+    fix="read FSDP1's gradients in float32, or keep a trainable parameter in every rank's shard; or use FSDP2",
+    entry_points=('fsdp1',),
+    apis=('FullyShardedDataParallel.summon_full_params(with_grads=True)', 'FullyShardedDataParallel(ignored_modules=...)'),
+    source=('torch.distributed.fsdp._flat_param:FlatParamHandle.unshard_grad',),
+    shows=(),
+    repro='f14_fsdp1_ignored_half_precision_abort.py',
+),
+Fault(
+    number=15,
+    name='loss_parallel log_softmax backward',
+    title='Under `loss_parallel`, `log_softmax` backpropagates as if `nll_loss` came next',
+    what="""`loss_parallel()` replaces the backward of `log_softmax` over vocab-sharded logits by the
+identity (`_log_softmax_backward_handler` returns the incoming gradient), because its
+`nll_loss` backward already produces the gradient of the fused cross entropy with respect
+to the logits. Cross entropy, and `nll_loss` of the log-probabilities, are right. Any other
+loss over the log-probabilities gets wrong gradients, silently: a KL divergence to a
+teacher's distribution (distillation), a preference loss that sums weighted log-probs over
+the vocabulary. Its docstring says only cross entropy is supported; the others run and
+train wrong rather than refuse. No DP entry point is involved. torch 2.14.1 does the same
+(the replay below, run in a throwaway venv: the same 0.165).
+
+- **Caught by:** `losses_train_like_one_device` (`value:gradient`) on `teacher_kl` under
+  `loss_parallel`, every entry point, `tied` and `llama_lm`.""",
+    consequence="""distillation or any loss over log-probabilities other than cross
+  entropy, computed under `loss_parallel()` over vocab-sharded logits, trains on wrong
+  gradients.""",
+    workaround="""compute such losses outside `loss_parallel()` (DTensor then redistributes
+  the logits, or gather them with `full_tensor()`); keep `loss_parallel()` for cross entropy.""",
+    fix='compute losses other than cross entropy outside loss_parallel()',
+    entry_points=(),
+    apis=('torch.distributed.tensor.parallel.loss_parallel', 'torch.nn.functional.log_softmax'),
+    source=('torch.distributed.tensor.parallel.loss:_log_softmax_backward_handler',),
+    shows=(
+        # log_softmax's backward under loss_parallel is the identity: a KL loss's gradients are wrong
+        Shows(("value:*",),
+              ("losses_train_like_one_device",),
+              (("loss.kind", ("teacher_kl",)), ("loss.parallel", True))),
+    ),
+    repro='f15_loss_parallel_log_softmax_grad.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/190746', 'https://github.com/pytorch/pytorch/pull/191606'),
+),
+Fault(
+    number=16,
+    name="FSDP2 sums TP's partial gradients outside reduce_dtype",
+    title="Under a float32 `reduce_dtype`, FSDP2 sums TP's partial gradients in bfloat16",
+    what="""A parameter TP replicates over tp while each tp rank sees only part of what it acts on (a
+`SequenceParallel` norm's weight: each rank holds a slice of the sequence) has a partial
+sum for a gradient on each tp rank. FSDP2 all-reduces it over tp in
+`FSDPParam._get_grad_inner_tensor` before its own reduce-scatter over dp, in the dtype the
+gradient has: the compute dtype. Under `MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`, torchtitan's policy, that sum runs in bfloat16, though the
+policy says gradients are reduced in float32. A gradient accumulated over microbatches
+(`set_requires_gradient_sync(False)`) is cast to `reduce_dtype` before it is summed
+(`to_accumulated_grad_if_needed`), so that path is right, and the same model trains to
+different precision with and without accumulation. torch 2.14.1 does the same (the replay
+below, run in a throwaway venv). The fix is one cast: `--impl reference` casts the
+gradients to `reduce_dtype` before the sum (tpdp_verify/impls/fsdp2_sums.py) and passes.
+
+- **Caught by:** `trains_like_plain_ddp` (`check:tp-sums-a-step-s-gradients-in-the-reduce-dtype`)
+  under `fully_shard` and `replicate_fsdp` with a mixed-precision policy, on `llama_sp` and
+  `llama_lm`: the reduced gradient is 3e-5 off the exact sum of the ranks' partial sums,
+  where float32 allows 2e-9 (docs/tolerance.md, "TP's sums under a policy").""",
+    consequence="""the norms' gradients carry bfloat16's rounding (2^-9 of the sum) into
+  the float32 reduction and the optimizer; the loss of precision `reduce_dtype=float32` is
+  there to prevent, for exactly the parameters (norm scales) most sensitive to it.""",
+    workaround="""none that keeps the policy and one microbatch a step. Two or more
+  microbatches a step (`set_requires_gradient_sync(False)` on all but the last) take the
+  path that sums in float32, as the replay shows; a policy without `param_dtype` computes
+  and sums in float32. The fix in torch is one cast in `_get_grad_inner_tensor` (the
+  reference's: tpdp_verify/impls/fsdp2_sums.py).""",
+    fix='two or more microbatches a step, or a policy without param_dtype',
+    entry_points=('fully_shard', 'replicate_fsdp'),
+    apis=('fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))',),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._get_grad_inner_tensor',),
+    shows=(
+        # TP's partial sums are all-reduced in the compute dtype before FSDP2's own reduction
+        Shows(("check:tp-sums-a-step-s-gradients-in-the-reduce-dtype",),
+              ("*trains_like_plain_d*",),
+              (("entry", ("fully_shard", "replicate_fsdp")), ("fsdp.mixed_precision", True))),
+    ),
+    repro='f16_fsdp2_tp_reduce_dtype.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/190626', 'https://github.com/pytorch/pytorch/pull/190627'),
+),
+Fault(
+    number=17,
+    name='FSDP2 over the SPMD mesh scales gradients by 1/dp',
+    title='Over the whole SPMD mesh, FSDP2 scales every gradient by 1/dp',
+    what="""`fully_shard(model, mesh=<the whole mesh>, dp_mesh_dims=DataParallelMeshDims(...))` (and
+FSDP2's `replicate` with `dp_mesh_dims`) takes parameters that are DTensors on the whole
+mesh, `Replicate()` on the dp dimensions. The batch is a DTensor sharded on dp and the loss
+a DTensor reduced over the global batch, so each parameter's gradient comes out of
+autograd as a partial sum over dp whose sum is one device's gradient: DTensor alone, with
+no wrapper, trains exactly like one device (tests/test_large_dp.py). `FSDPParam._get_grad_inner_tensor`
+keeps those partial sums pending over dp, "so FSDP's reduce-scatter handles them directly",
+and the reduce-scatter (or the all-reduce of the replicating form) averages them, as it
+averages the whole gradients of the sub-mesh form: a second division by the dp degree.
+
+- **Caught by:** `large_dp_trains_like_one_device` (`value:gradient`, max rel 1 - 1/dp) and
+  `large_dp_trains_like_plain_dp` against the DTensor program without the wrapper, in every
+  form (`shard`, `replicate`, `both`), on 2-D and 3-D meshes, whatever the loss's reduction.
+
+- **Beside it:** under a `MixedPrecisionPolicy` whose `param_dtype` is not the data's (float16
+  batches, bfloat16 parameters), the SPMD form's DTensor batches reach the first layer
+  uncast: "mat1 and mat2 must have the same dtype, but got BFloat16 and Half"
+  (`large_dp_trains_like_plain_dp`, `raised:RuntimeError at torch/nn/modules/linear.py:forward`;
+  the DTensor program without FSDP2, which has no policy, trains).""",
+    consequence="""every step is 1/dp of the step one device or the same program without
+  FSDP takes: under SGD a learning rate silently divided by the dp degree; Adam hides most
+  of it (its update is scale-free but for eps), clipping by a total norm does not.""",
+    workaround="""`model.set_gradient_divide_factor(1.0)` on every FSDP2 module after
+  wrapping makes the reduction a sum: with it the replicating form trains exactly on gloo;
+  the sharding forms then reduce-scatter with `PREMUL_SUM`, which NCCL has and gloo lacks
+  ("Cannot use ReduceOp.PREMUL_SUM with Gloo").""",
+    fix='model.set_gradient_divide_factor(1.0) on every FSDP2 module after wrapping',
+    entry_points=('fully_shard', 'replicate_fsdp'),
+    apis=('fully_shard(mesh, dp_mesh_dims=...)',),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._get_grad_inner_tensor',),
+    shows=(
+        # over the whole SPMD mesh every gradient is averaged over dp a second time
+        Shows(("value:*",),
+              ("large_dp_*",),
+              (("entry", ("fully_shard", "replicate_fsdp")), ("dp_mesh_dims", True))),
+        # ... and under a policy casting to another dtype than the data's, the DTensor batches reach the
+        # first layer uncast
+        Shows(("raised:RuntimeError at torch/nn/modules/linear.py:forward",),
+              ("large_dp_*",),
+              (("entry", ("fully_shard", "replicate_fsdp")), ("dp_mesh_dims", True), ("policy_casts", True))),
+    ),
+    repro='f17_fsdp2_spmd_grad_scale.py',
+),
+Fault(
+    number=18,
+    name='FSDP1 hybrid with a one-rank shard group never syncs replicas',
+    title="FSDP1's hybrid strategies with a shard group of one rank never synchronize the replicas",
+    what="""FSDP1 with `HYBRID_SHARD` or `_HYBRID_SHARD_ZERO2` on a 2-D device mesh whose shard
+dimension is 1 (a (dp_replicate, dp_shard, tp) = (2, 1, 2) mesh, as a job that grows its
+replicas before its shards has) warns that it is "switching to use `NO_SHARD` instead of
+ShardingStrategy.HYBRID_SHARD since the world size is 1" and reduces each gradient over
+that one rank only: the all-reduce over the replicate dimension never runs. Each replica
+steps with its own rows' gradients, without TP too. With TP, FSDP1's hybrid strategies show
+FSDP1's own TP faults besides: where the shard group is one rank, `summon_full_params`
+raises "Cannot writeback when the parameter shape changes" (as FSDP1 with TP on one dp
+rank does, fault 6), and under `no_sync` the flat parameter's storage is invalid.
+
+- **Caught by:** `large_dp_trains_like_plain_dp` (`check:the-same-dp-without-tp-keeps-its-replicas-in-step`:
+  the plain-DP oracle's own replicas disagree, so there is nothing to judge by) and
+  `large_dp_trains_like_one_device` (`check:replicas-agree-on-grads`, `value:gradient`);
+  the raises as `raised:RuntimeError at .../fully_sharded_data_parallel.py:summon_full_params`
+  and `...:forward`.""",
+    consequence="""the replicas drift apart from the first step, silently but for the warning.""",
+    workaround="""`FULL_SHARD` (or `NO_SHARD`) over the dp ranks flattened when the shard
+  dimension is 1; or FSDP2's `fully_shard` on `mesh["dp_replicate", "dp_shard"]`, which
+  trains exactly there.""",
+    fix='FULL_SHARD over the dp ranks flattened, or FSDP2 fully_shard on the (dp_replicate, dp_shard) mesh',
+    entry_points=('fsdp1',),
+    apis=('FullyShardedDataParallel(sharding_strategy=HYBRID_SHARD, device_mesh=...)',),
+    source=('torch.distributed.fsdp._init_utils:_init_core_state', 'torch.distributed.fsdp._runtime_utils:_reduce_grad_no_shard'),
+    shows=(
+        # a hybrid strategy with a shard group of one rank falls back to NO_SHARD and never all-reduces
+        # over the replicas; FSDP1's TP faults of one-rank groups (write-back) and no_sync come with it
+        Shows(("check:the-same-dp-without-tp-keeps-its-replicas-in-step", "check:replicas-agree-on-*", "value:*",
+               "raised:*Error at torch/distributed/fsdp/fully_sharded_data_parallel.py:summon_full_params",
+               "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"),
+              ("large_dp_*",),
+              (("entry", ("fsdp1",)),
+               ("fsdp1_strategy", ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")),
+               ("dp_shard", (1,)))),
+    ),
+    repro='f18_fsdp1_hybrid_one_rank_shard_group.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/154888',),
+),
+Fault(
+    number=19,
+    name='DTensor programs that fail on the CPU in the SPMD form',
+    title='DTensor programs that fail on the CPU in the SPMD form',
+    what="""The SPMD form runs the model's forward as DTensor's own program (no TP hooks turning
+DTensors into local tensors between modules), and DTensor cannot run three of the zoo's
+models on the CPU, with or without a DP wrapper (the plain-DP oracle, the program alone,
+fails the same way, so `large_dp_trains_like_plain_dp` passes them and
+`large_dp_trains_like_one_device` records them):
+`aten._scaled_dot_product_flash_attention_for_cpu` has no sharding strategy (the Llama
+models' attention; CUDA's attention kernels have one), a vocab-sharded embedding whose
+input is sharded on dp applies its mask to the wrong shape (`IndexError: The shape of the
+mask [2, 4] at index 0 does not match the shape of the indexed tensor`, the tied model), and
+`llama_lm`'s embedding output fails an assert in `_reduce_shard_value`.
+
+- **Caught by:** `large_dp_trains_like_one_device` (`raised:NotImplementedError`,
+  `raised:IndexError`, `raised:AssertionError` under DTensor's dispatch), in the SPMD form
+  of those models.""",
+    consequence="""a model whose attention is `scaled_dot_product_attention` cannot be
+  verified in the SPMD form on CPU ranks; the MLP-shaped models are, and show fault 17.""",
+    workaround="""none on the CPU; the NCCL backend reaches CUDA's attention kernels.""",
+    fix="none on the CPU; the NCCL backend reaches CUDA's attention kernels",
+    entry_points=('fully_shard', 'replicate_fsdp'),
+    apis=('DTensor', 'torch.nn.functional.scaled_dot_product_attention'),
+    source=('torch.distributed.tensor._sharding_prop:ShardingPropagator.propagate_op_sharding_non_cached', 'torch.distributed.tensor.placement_types:_MaskPartial._reduce_value'),
+    shows=(
+        # DTensor's own program of these models fails on the CPU: SDPA has no sharding strategy, the
+        # tied embedding's mask, llama_lm's embedding output; on one dp rank the attention's view of the
+        # dp-sharded batch already fails sharding propagation (in wq's Linear)
+        Shows(("raised:NotImplementedError at torch/distributed/tensor/_dispatch.py:*",
+               "raised:AssertionError at torch/distributed/tensor/_dispatch.py:*", "raised:IndexError at *",
+               "raised:RuntimeError at torch/nn/modules/linear.py:forward"),
+              ("large_dp_*",),
+              (("entry", ("fully_shard", "replicate_fsdp")),
+               ("dp_mesh_dims", True),
+               ("model", ("llama", "llama_sp", "llama_lm", "tied")))),
+    ),
+    repro='f19_dtensor_spmd_programs_fail_on_cpu.py',
+),
+Fault(
+    number=20,
+    name='FSDP1 NO_SHARD cannot train a TP model',
+    title="FSDP1's NO_SHARD cannot train a TP'd model",
+    what="""FSDP1 with `sharding_strategy=NO_SHARD` (the ZeRO stage that shards nothing: DDP through
+FSDP1's flat parameters) raises in the first forward of a model whose parameters TP made
+DTensors: `RuntimeError: Cannot writeback when the parameter shape changes. Expects
+torch.Size([48]) but got torch.Size([96])` (`_writeback_tensor`: the flat parameter's view
+of a TP parameter is the whole tensor's size, the parameter its tp shard's; on a mesh with
+one tp rank, `aten.copy_.default got mixed torch.Tensor and DTensor`). `FULL_SHARD` and
+`SHARD_GRAD_OP` train the same case exactly, and `NO_SHARD` trains the same model without
+TP. It is FSDP1's write-back, not the transform: the reference transform raises alike. On
+one dp rank FSDP1 switches every strategy to `NO_SHARD` (with a warning), which is why TP +
+FSDP1 on a (1, tp) mesh fails the same way (fault 18, and properties.md's FSDP1 findings).
+
+- **Caught by:** `large_dp_trains_like_one_device` and `large_dp_trains_like_plain_dp`
+  (`raised:RuntimeError at .../fully_sharded_data_parallel.py:summon_full_params`: the
+  harness reads the parameters whole before the first forward, and FSDP1's write-back raises
+  there first), under FSDP1 with `NO_SHARD`, with `auto_wrap_policy` and
+  `mixed_precision` alike.""",
+    consequence="""a TP model cannot be data-parallel through FSDP1 without sharding; a job
+  that moves a small model from `FULL_SHARD` to `NO_SHARD` for speed stops at its first step.""",
+    workaround="""`FULL_SHARD` or `SHARD_GRAD_OP`, DDP (`DistributedDataParallel(device_mesh=mesh["dp"])`),
+  or FSDP2's `replicate`.""",
+    fix="FULL_SHARD or SHARD_GRAD_OP, DDP, or FSDP2's replicate",
+    entry_points=('fsdp1',),
+    apis=('FullyShardedDataParallel(sharding_strategy=NO_SHARD)',),
+    source=('torch.distributed.fsdp._flat_param:FlatParamHandle._writeback_orig_params', 'torch.distributed.fsdp._flat_param:FlatParamHandle._writeback_tensor'),
+    shows=(
+        # NO_SHARD's write-back of a TP parameter raises (the harness reads the parameters whole first);
+        # FSDP1 on one dp rank switches every strategy to NO_SHARD
+        Shows(("raised:*Error at torch/distributed/fsdp/fully_sharded_data_parallel.py:summon_full_params",
+               "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fsdp1",)), ("fsdp1_strategy", ("NO_SHARD",)))),
+        Shows(("raised:*Error at torch/distributed/fsdp/fully_sharded_data_parallel.py:summon_full_params",
+               "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"),
+              ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fsdp1",)), ("dp", (1,)))),
+    ),
+    repro='f20_fsdp1_no_shard_with_tp.py',
+),
+Fault(
+    number=21,
+    name='HSDP with uneven TP shards lets replicated copies drift',
+    title='HSDP with uneven TP shards lets the tp copies of a replicated parameter drift apart',
+    what="""`fully_shard` over `mesh["dp_replicate", "dp_shard"]` all-reduces each tp rank's flat
+gradient buffer over `dp_replicate`. When TP splits a dimension unevenly (a hidden width of
+7 over 2 tp ranks), the tp ranks' buffers differ in size, and a parameter TP keeps
+`Replicate()` (a Rowwise layer's bias) sits at another offset in each. gloo's all-reduce
+sums an element's values in an order that depends on the buffer (the same three values at
+offsets 28 of 39 and 21 of 28 come back unequal in 39 of 100 draws on 4 ranks), so with 4
+replicas the tp ranks get that parameter's gradient differing in the last bit. Its copies,
+which DTensor's `Replicate()` promises equal, then step apart: not a value beyond its bound,
+a broken invariant. With 2 replicas the sum is one addition and commutes exactly; with even
+shards the buffers are alike; `fully_shard` over a 1-D dp mesh reduce-scatters instead. The
+world-8 release draw found it; no 4-rank mesh has 4 replicas beside tp.
+
+- **Caught by:** `large_dp_checkpoint_resumes` (`check:replicas-agree-on-the-saved-optimizer`
+  and the loaded, resumed and uninterrupted optimizers': the momentum buffer is the
+  gradient), under `fully_shard` on a 3-D mesh with uneven tp widths, at world size 8 on
+  a (4, 1, 2) mesh; the same case run by `large_dp_trains_like_one_device` fails `replicas
+  agree on grads` and `replicas agree on state` (its world-8 search did not draw it).""",
+    consequence="""each step the tp ranks hold slightly different copies of every
+  replicated parameter of an unevenly sharded model, and compute with them; a checkpoint
+  saved from one tp rank is not the one the others hold, and nothing in FSDP2 brings the
+  copies back together.""",
+    workaround="""widths that divide by the tp degree (as torchtitan's models have), or at
+  most 2 replicas on `dp_replicate`.""",
+    fix='widths that divide by the tp degree, or at most 2 replicas on dp_replicate',
+    entry_points=('fully_shard',),
+    apis=("fully_shard(mesh=mesh['dp_replicate', 'dp_shard'])",),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_collectives:foreach_reduce',),
+    shows=(
+        # 4 replicas sum a Replicate() parameter's gradient at another offset of each tp rank's buffer
+        Shows(("check:replicas-agree-on-*",),
+              ("large_dp_*",),
+              (("entry", ("fully_shard",)), ("mesh_dims", (3,)), ("dp_replicate", (4, 8)), ("tp_uneven", True))),
+    ),
+    repro='f21_hsdp_uneven_tp_replicas_drift.py',
+),
+)

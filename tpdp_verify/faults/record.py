@@ -1,0 +1,173 @@
+"""A fault's record, the rules by which it explains a failure's parts, and a case's facts."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+REPROS = Path(__file__).parent / "repros"
+
+
+@dataclass(frozen=True)
+class Shows:
+    """Where a fault shows: the signature parts it explains (fnmatch patterns), in the
+    properties named, on the cases whose facts match ``where`` (fact -> the values it may
+    take; ``True``: any value but an empty one, ``False``: an empty one)."""
+
+    parts: tuple[str, ...]
+    properties: tuple[str, ...] = ("*",)
+    where: tuple[tuple[str, object], ...] = ()
+
+    def explains(self, part: str, prop: str, facts: dict) -> bool:
+        return (any(fnmatch.fnmatchcase(part, p) for p in self.parts)
+                and any(fnmatch.fnmatchcase(prop, p) for p in self.properties)
+                and all(_holds(facts.get(name), want) for name, want in self.where))
+
+
+def _holds(value, want) -> bool:
+    if isinstance(want, bool):
+        return bool(value) == want
+    return value in want
+
+
+@dataclass(frozen=True)
+class Fault:
+    number: int
+    name: str  # a short name: "loss_parallel log_softmax backward"
+    title: str
+    what: str  # what goes wrong, and why (markdown)
+    consequence: str
+    workaround: str  # markdown; ``fix`` says it in one line
+    fix: str
+    entry_points: tuple[str, ...]  # the DP entry points it lives in (cases' ``entry``); () for none
+    apis: tuple[str, ...]  # the torch APIs a user calls
+    source: tuple[str, ...]  # "module:qualname" of torch's code at fault
+    shows: tuple[Shows, ...]
+    repro: str  # the file in repros/
+    releases: tuple[str, ...] = ("2.13.0",)
+    upstream: tuple[str, ...] = ()  # the issues and pull requests that report or fix it
+
+    @property
+    def label(self) -> str:
+        return f"fault {self.number}, {self.name}"
+
+    @property
+    def repro_path(self) -> Path:
+        return REPROS / self.repro
+
+    def summary(self) -> dict:
+        return {"number": self.number, "name": self.name, "title": self.title, "workaround": self.fix,
+                "upstream": list(self.upstream)}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Which faults explain a failure's parts; ``unexplained``: the parts no record does."""
+
+    faults: tuple[Fault, ...]
+    unexplained: tuple[str, ...]
+
+    @property
+    def explained(self) -> bool:
+        return not self.unexplained
+
+    def line(self) -> str:
+        """One line for a report: each fault with its workaround, then what none explains."""
+        said = [f"{f.label} (workaround: {f.fix})" for f in self.faults]
+        if self.unexplained:
+            said.append("no catalogued fault explains " + ", ".join(self.unexplained))
+        return "; ".join(said)
+
+    def to_json(self) -> dict:
+        return {"faults": [f.summary() for f in self.faults], "unexplained": list(self.unexplained)}
+
+
+def facts(drawn: dict | None) -> dict:
+    """A case's facts, by name: each field of its dataclass arguments (nested ones dotted:
+    ``habits.ignored``, ``loss.kind``), the other arguments by their names, and the derived
+    facts a fault's conditions name (below, each saying what it is)."""
+    out: dict = {}
+    for name, value in (drawn or {}).items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _flatten(value, "", out)
+        else:
+            out[name] = value
+    for derive in (_mesh, _zoo, _fsdp2, _chunked, _tree):
+        for name, value in derive(out, drawn or {}).items():
+            out.setdefault(name, value)
+    return out
+
+
+def _mesh(out: dict, drawn: dict) -> dict:
+    mesh = out.get("mesh_shape")
+    if not isinstance(mesh, tuple) or not mesh:
+        return {}
+    said = {"tp": mesh[-1], "dp": math.prod(mesh[:-1]), "mesh_dims": len(mesh)}
+    if len(mesh) == 3:  # HSDP's (dp_replicate, dp_shard, tp): FSDP1's hybrid shard group is one rank at dp_shard 1
+        said |= {"dp_replicate": mesh[0], "dp_shard": mesh[1]}
+    return said
+
+
+# the widths each zoo model's plan shards over tp (fixtures/zoo.py, plans.py)
+SHARDED = {"mlp": ("hidden",), "frozen": ("hidden",), "unused": ("hidden",), "buffers": ("hidden",),
+           "nested": ("hidden",), "llama": ("dim", "hidden"), "llama_sp": ("dim", "hidden"),
+           "llama_lm": ("dim", "hidden", "vocab"), "tied": ("hidden", "vocab"), "uneven": ("hidden", "dim")}
+# the zoo models whose module DP is told to ignore (ranks/loop.py, ignorable) holds DTensors
+IGNORED_TP = ("mlp", "llama_sp", "llama_lm", "tied", "unused", "uneven")
+
+
+def _zoo(out: dict, drawn: dict) -> dict:
+    model, tp = out.get("model"), out.get("tp")
+    if model not in SHARDED or not isinstance(tp, int) or out.get("user") is not None:
+        return {}
+    from tpdp_verify.cases.training import empty_shard
+
+    widths = [out[f"size.{w}"] for w in SHARDED[model]]
+    return {"tp_empty": any(empty_shard(n, tp) for n in widths),  # torch.chunk leaves a tp rank no row of a width
+            "tp_uneven": any(n % tp for n in widths),  # a sharded width does not divide by tp
+            "vocab_empty": "vocab" in SHARDED[model] and empty_shard(out["size.vocab"], tp),  # nor of the vocab
+            "ignored_tp": bool(out.get("habits.ignored")) and model in IGNORED_TP}
+
+
+def _fsdp2(out: dict, drawn: dict) -> dict:
+    if out.get("entry") not in ("fully_shard", "replicate_fsdp"):
+        return {}
+    mp = out.get("fsdp.mixed_precision")
+    return {"policy_casts": mp is not None and mp != out.get("dtype")}  # FSDP2's param_dtype is not the data's
+
+
+def _chunked(out: dict, drawn: dict) -> dict:
+    """An FSDPCase's tensor: a DTensor on the tp dim (tp_placement), or a plain tensor (None)."""
+    placement, tp = out.get("tp_placement", False), out.get("tp")
+    if placement is False or not isinstance(tp, int):
+        return {}
+    sharded = placement is not None and placement.is_shard()
+    return {"tp_sharded": sharded,  # a DTensor sharded over tp
+            "tp_uneven": sharded and (out.get("shape") or ())[placement.dim] % tp != 0}  # its tp shards are uneven
+
+
+def _tree(out: dict, drawn: dict) -> dict:
+    tree = next((v for v in drawn.values() if type(v).__name__ == "TreeCase"), None)
+    if tree is None:
+        return {}
+    from tpdp_verify.cases.trees import nodes
+
+    specs = {(f"{p}." if p else "") + s.name: s for p, n in nodes(tree.root) for s in n.params}
+    dts = [s for s in specs.values() if s.placements is not None]
+    return {"dtensor_params": bool(dts),  # the tree holds a DTensor parameter
+            "frozen_dtensor": any(not s.requires_grad for s in dts),  # a DTensor parameter is frozen
+            "tied_dtensor": any(specs.get(src) is not None and specs[src].placements is not None
+                                for src, _ in tree.tied)}  # a tie shares a DTensor parameter
+
+
+def _flatten(value, prefix: str, out: dict) -> None:
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out[prefix + f.name] = True
+            _flatten(v, f"{prefix}{f.name}.", out)
+        else:
+            out[prefix + f.name] = v

@@ -1,0 +1,130 @@
+"""Fault 01 (torch 2.13.0): After a forward, the DDP transform leaves no TP parameter registered.
+
+DistributedDataParallel(model, device_mesh=mesh["dp"]) runs torch/distributed/tensor/parallel/
+ddp.py:_pre_dp_module_transform. Its forward pre-hook _reconstruct_dtensor sets each rebuilt
+DTensor (DTensor.from_local: not an nn.Parameter) through _update_module_param's delattr/setattr,
+so it lands in the module's __dict__; the forward hook _localize_dtensor then walks
+named_parameters(), finds none, and never puts the shards back. After one forward,
+named_parameters(), parameters() and state_dict() hold no TP weight. 2 ranks, a (dp=1, tp=2)
+mesh (dp's size plays no part). Run: python f01_ddp_tp_params_unregistered_after_forward.py
+"""
+
+import os
+import socket
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from time import monotonic, sleep
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD, TIMEOUT_S, GRACE_S = 2, 60, 5
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def registry(m: nn.Module) -> dict:
+    return {"named_parameters": [n for n, _ in m.named_parameters()], "state_dict": list(m.state_dict())}
+
+
+def one_device() -> dict:
+    return registry(model())
+
+
+def on_rank(rank: int) -> tuple[dict, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    tp = parallelize_module(model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ddp = DDP(tp, device_mesh=mesh["dp"])  # runs _pre_dp_module_transform(tp)
+    ddp(torch.randn(3, 4)).sum().backward()  # one training step's forward and backward
+    where = "_parameters" if "weight" in tp[0]._parameters else "__dict__"
+    return registry(tp), f"{type(tp[0].weight).__name__} in {where}"
+
+
+def main() -> int:
+    expected = one_device()
+    results = run_ranks()
+    if (code := bail_out(results)) is not None:
+        return code
+    got, weight = results[0][1]
+    print(f"expected: after a forward, named_parameters() = {expected['named_parameters']}, "
+          f"state_dict() keys = {expected['state_dict']} (one device)")
+    print(f"actual:   after a forward, named_parameters() = {got['named_parameters']}, "
+          f"state_dict() keys = {got['state_dict']}; 0.weight is a {weight} (rank 0 of {WORLD})")
+    present = any(v[0] != expected for _, v in results.values())
+    print("fault present" if present else "fault absent")
+    return int(present)
+
+
+# --- boilerplate: WORLD gloo ranks on 127.0.0.1, each answering once; a timeout for hangs ------
+
+def rank_main(rank, port, answers):
+    warnings.filterwarnings("ignore")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback too
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        answers.put((rank, "ok", on_rank(rank)))
+    except Exception:
+        answers.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def run_ranks() -> dict:
+    """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
+    ctx = mp.get_context("spawn")
+    listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
+    port = listener.getsockname()[1]
+    # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), timeout=timedelta(seconds=TIMEOUT_S))
+    answers = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, answers), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, monotonic() + TIMEOUT_S
+    while len(results) < WORLD and monotonic() < deadline:
+        while not answers.empty():
+            rank, status, value = answers.get()
+            results[rank] = (status, value)
+            if status != "ok":  # the others may wait for this rank: give them a grace only
+                deadline = min(deadline, monotonic() + GRACE_S)
+        for r, p in enumerate(procs):
+            if r not in results and p.exitcode not in (None, 0) and answers.empty():
+                results[r] = ("aborted", p.exitcode)
+        sleep(0.05)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    del store  # kept until every rank is done with it
+    return {r: results.get(r, ("hung", None)) for r in range(WORLD)}
+
+
+def bail_out(results) -> int | None:
+    """2 when a rank failed in a way that is not this fault (what each said, to stderr), else None.
+
+    This fault neither raises out of on_rank nor hangs nor aborts a rank: any of those is
+    a bug in this script or another fault.
+    """
+    failed = {r: (s, v) for r, (s, v) in results.items() if s != "ok"}
+    for r, (status, value) in failed.items():
+        detail = {"error": f":\n{value}", "aborted": f" (exit code {value})"}.get(status, "")
+        print(f"rank {r} {status}{detail}", file=sys.stderr)
+    return 2 if failed else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Fault 24 (torch 2.13.0): loss_parallel cross entropy with class weights cannot backpropagate ignored targets.
+
+Under loss_parallel(), F.cross_entropy(logits, target, weight=w) over vocab-sharded logits whose
+targets contain the ignore index (-100) computes the loss, but its backward raises RuntimeError
+"index -100 is out of bounds for dimension 1 with size 4": torch/distributed/tensor/parallel/
+loss.py:_nll_loss_and_log_softmax_backward gathers the class weights with the raw target
+(torch.gather(w, channel_dim, target)) instead of the safe target, where -100 was replaced, as
+its forward (_nll_loss_forward) does. Class weights alone, and ignored targets alone, train like
+one device (checked too). 2 ranks, a (tp=2) mesh. Run: python f24_loss_parallel_weight_ignore_index.py
+"""
+
+import os
+import socket
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from time import monotonic, sleep
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+WORLD, TIMEOUT_S, GRACE_S = 2, 60, 5
+CLASSES, WEIGHT = 4, [0.5, 1.0, 2.0, 3.0]
+CASES = {  # name: (targets, class weights?)
+    "weight= and ignored targets": ([1, -100, 3], True),
+    "weight=, no ignored target": ([1, 0, 3], True),
+    "ignored targets, no weight=": ([1, -100, 3], False),
+}
+FAULT = "index -100 is out of bounds"
+
+
+def inputs(case: str):
+    target, weighted = CASES[case]
+    logits = torch.randn(len(target), CLASSES, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return logits, torch.tensor(target), torch.tensor(WEIGHT, dtype=torch.float64) if weighted else None
+
+
+def one_device(case: str) -> tuple[float, torch.Tensor]:
+    logits, target, weight = inputs(case)
+    logits.requires_grad_()
+    loss = F.cross_entropy(logits, target, weight=weight)
+    loss.backward()
+    return loss.item(), logits.grad
+
+
+def on_rank(rank: int) -> dict:
+    """{case: (loss, logits' gradient or the fault's message)}, each computed under loss_parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    out = {}
+    for case in CASES:
+        logits, target, weight = inputs(case)
+        logits = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()  # vocab-sharded, as ColwiseParallel's
+        with loss_parallel():
+            loss = F.cross_entropy(logits, target, weight=weight).full_tensor()
+            try:  # every rank raises at the same point, before any collective of the backward
+                loss.backward()
+            except RuntimeError as exc:
+                if FAULT not in str(exc):
+                    raise
+                out[case] = (loss.item(), f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                continue
+        out[case] = (loss.item(), logits.grad.full_tensor().tolist())  # plain values for the queue
+    return out
+
+
+def main() -> int:
+    expected = {case: one_device(case) for case in CASES}
+    results = run_ranks()
+    if (code := bail_out(results)) is not None:
+        return code
+    said, present = [], False
+    for case, (loss, grad) in expected.items():
+        got = [v[case] for _, v in results.values()]
+        loss_diff = max(abs(g[0] - loss) for g in got)
+        if isinstance(got[0][1], str):
+            said.append(f"{case}: loss off by {loss_diff:.3g}, then the backward raised {got[0][1]} (on every rank)")
+            present = True
+            continue
+        diff = max(loss_diff, *((torch.tensor(g[1], dtype=grad.dtype) - grad).abs().max().item() for g in got))
+        said.append(f"{case}: max abs difference of loss and gradient {diff:.3g}")
+        present |= diff > 1e-12
+    print(f"expected: F.cross_entropy over {CLASSES} classes, weight={WEIGHT} and/or targets with -100: "
+          + "; ".join(f"{case}: loss {loss:.6f}" for case, (loss, _) in expected.items()) + ", and its gradient (one device)")
+    print(f"actual:   under loss_parallel on {WORLD} tp ranks: {'; '.join(said)}")
+    print("fault present" if present else "fault absent")
+    return int(present)
+
+
+# --- boilerplate: WORLD gloo ranks on 127.0.0.1, each answering once; a timeout for hangs ------
+
+def rank_main(rank, port, answers):
+    warnings.filterwarnings("ignore")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback too
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        answers.put((rank, "ok", on_rank(rank)))
+    except Exception:
+        answers.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def run_ranks() -> dict:
+    """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
+    ctx = mp.get_context("spawn")
+    listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
+    port = listener.getsockname()[1]
+    # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), timeout=timedelta(seconds=TIMEOUT_S))
+    answers = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, answers), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, monotonic() + TIMEOUT_S
+    while len(results) < WORLD and monotonic() < deadline:
+        while not answers.empty():
+            rank, status, value = answers.get()
+            results[rank] = (status, value)
+            if status != "ok":  # the others may wait for this rank: give them a grace only
+                deadline = min(deadline, monotonic() + GRACE_S)
+        for r, p in enumerate(procs):
+            if r not in results and p.exitcode not in (None, 0) and answers.empty():
+                results[r] = ("aborted", p.exitcode)
+        sleep(0.05)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    del store  # kept until every rank is done with it
+    return {r: results.get(r, ("hung", None)) for r in range(WORLD)}
+
+
+def bail_out(results) -> int | None:
+    """2 when a rank failed in a way that is not this fault (what each said, to stderr), else None.
+
+    This fault neither raises out of on_rank nor hangs nor aborts a rank: any of those is
+    a bug in this script or another fault.
+    """
+    failed = {r: (s, v) for r, (s, v) in results.items() if s != "ok"}
+    for r, (status, value) in failed.items():
+        detail = {"error": f":\n{value}", "aborted": f" (exit code {value})"}.get(status, "")
+        print(f"rank {r} {status}{detail}", file=sys.stderr)
+    return 2 if failed else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
