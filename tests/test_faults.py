@@ -46,17 +46,46 @@ def _failing_memo_answers():
 
 def test_the_catalog_explains_torch_2_13_own_failures_on_the_shipped_memo():
     """Every failure torch 2.13.0 shows on the fixed draws of smoke, ci and release is named
-    by a fault, or listed here (UNCATALOGUED) as news with what is known of it."""
+    by a fault, or its parts are listed here (UNCATALOGUED) with what is known of them: the
+    gate says of each that no catalogued fault explains it."""
     unexplained = {}
     for a in _failing_memo_answers():
         e = faults.explain(a["property"], memos.rebuild(a["case"], tuple(a["types"])), a["signature"])
         for part in e.unexplained:
             unexplained[(a["property"], part)] = unexplained.get((a["property"], part), 0) + 1
     assert set(unexplained) <= set(UNCATALOGUED), sorted(set(unexplained) - set(UNCATALOGUED))
+    assert set(UNCATALOGUED) <= set(unexplained), sorted(set(UNCATALOGUED) - set(unexplained))  # none stale
+    assert sum(unexplained.values()) < 200  # of 7336: the catalog names all but the few listed
 
 
-# (property, part) that no record explains on the shipped memo's cases, and why not (yet)
-UNCATALOGUED: dict = {}
+# (property, part) that no record explains on the shipped memo's cases, and why not (yet):
+# the harness's own (to fix there, with a HARNESS bump), or torch's not yet shrunk to a reproduction
+HARNESS_SPMD = "the harness: an optimizer built after a forward in the SPMD replicate form holds the parameters the unsharded root replaced; the unsharded_after_forward exclusion misses this form"
+HARNESS_WRAP = "the harness: its FSDP1 wrap policy makes a ModuleList a unit, whose forward never runs; plain FSDP1 fails alike"
+HARNESS_LOSS = "the harness: fixtures.losses.token_cross_entropy mixes full_tensor() with the DTensor weight on a tp mesh of 1 in the SPMD form"
+EMPTY = "torch, not yet shrunk: FSDP2 with an empty TP shard beside fault 22 (replicas disagree on the state_dict before training; _dynamo asserts with shard_dim=1; the optimizer's step raises)"
+UNCATALOGUED = {
+    **{(p, part): EMPTY for p in ("state_dict_like_unsharded", "entry_points_state_dict_like_unsharded",
+                                  "large_dp_state_dict_like_unsharded")
+       for part in ("check:every-rank-has-the-same-state_dict-entries", "check:replicas-agree-on-the-state_dict",
+                    "check:replicas-agree-on-the-state_dict-before-training",
+                    "check:replicas-agree-on-the-trained-model")},
+    **{(p, "raised:RuntimeError at torch/optim/optimizer.py:_use_grad"): EMPTY
+       for p in ("entry_points_train_like_one_device", "trains_like_one_device", "trains_like_plain_ddp")},
+    ("large_dp_trains_like_plain_dp", "raised:AssertionError at torch/_dynamo/eval_frame.py:_fn"): EMPTY,
+    **{(p, part): HARNESS_SPMD for p in ("large_dp_trains_like_one_device", "large_dp_trains_like_plain_dp")
+       for part in ("check:every-optimizer-state-is-there", "check:trainable-parameters-move-as-in-the-oracle")},
+    **{("large_dp_trains_like_one_device", f"raised:RuntimeError at torch/nn/modules/{at}"): HARNESS_WRAP
+       for at in ("container.py:forward", "normalization.py:forward", "module.py:_wrapped_call_impl")},
+    ("large_dp_trains_like_one_device", "raised:RuntimeError at torch/optim/optimizer.py:_use_grad"): HARNESS_WRAP,
+    ("large_dp_checkpoint_resumes", "raised:RuntimeError"): HARNESS_LOSS,
+    ("large_dp_state_dict_like_unsharded", "raised:RuntimeError"): HARNESS_LOSS,
+    ("entry_points_train_like_one_device", "check:gradient-present-where-the-oracle-has-one"):
+        "FSDP1's own (plain FSDP1 alike): the unused model's spare branch gets a zero gradient, not none",
+    ("large_dp_trains_like_one_device", "check:gradient-present-where-the-oracle-has-one"): "not yet shrunk",
+    ("losses_train_like_one_device", "value:gradient"): "not yet shrunk: llama_lm in bfloat16 under transform_ddp",
+    ("trains_like_plain_ddp", "value:gradient"): "not yet shrunk: llama_lm in bfloat16 under transform_ddp",
+}
 
 
 def test_a_failure_outside_every_faults_conditions_is_not_named():

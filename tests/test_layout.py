@@ -14,8 +14,10 @@ FOLDERS = {"tpdp_verify": "tpdp_verify", "tpdp_verify.oracles": "oracles",
            "tpdp_verify.properties": "properties", "tpdp_verify.fixtures": "fixtures"}
 # Lowest first: a module imports only from its own layer and the layers below it.
 LAYERS = (
-    ("tpdp_verify.errors", "tpdp_verify.signature", "tpdp_verify.files", "tpdp_verify.interrupts"),  # words every layer uses; writing files; signals
+    ("tpdp_verify.errors", "tpdp_verify.signature", "tpdp_verify.stacks", "tpdp_verify.files",
+     "tpdp_verify.interrupts"),  # words every layer uses; ranks' stacks; writing files; signals
     ("tpdp_verify.cases",),
+    ("tpdp_verify.faults",),  # the catalog: which fault explains a case's failure
     ("tpdp_verify.fixtures",),
     ("tpdp_verify.impls",),
     ("tpdp_verify.ranks",),

@@ -68,14 +68,15 @@ from mlp import PLAN, inputs, make_model
 
 
 def test_my_plan(tpdp):
-    assert tpdp.verify_plan(make_model, PLAN, input_fn=inputs, dp="fsdp2").ok
+    assert tpdp.verify_plan(make_model, PLAN, input_fn=inputs).ok  # dp="fsdp2", the default
 """
 
 
 @pytest.mark.timeout(600)
 def test_the_installed_wheel_verifies_a_plan_from_outside_the_repository(wheel, tmp_path):
     """The wheel in a fresh venv with the pinned torch, used from a folder that is not the
-    repository: verify_plan in Python, tpdp-verify plan, and the pytest fixture."""
+    repository: verify_plan in Python, tpdp-verify plan, and the pytest fixture, with the
+    defaults; the fault catalog and its reproductions (explain, report)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
@@ -92,12 +93,15 @@ def test_the_installed_wheel_verifies_a_plan_from_outside_the_repository(wheel, 
 
     python_api = run(python, "-c", "from tpdp_verify import verify_plan\nfrom mlp import PLAN, inputs, make_model\n"
                      "if __name__ == '__main__':\n"
-                     "    report = verify_plan(make_model, PLAN, input_fn=inputs, dp='fsdp2')\n"
+                     "    report = verify_plan(make_model, PLAN, input_fn=inputs)\n"
                      "    print(report.status)")
     assert python_api.returncode == 0 and python_api.stdout.splitlines()[-1] == "PASS", python_api.stderr[-2000:]
-    cli = run(str(venv / "bin" / "tpdp-verify"), "plan", "mlp:make_model", "--plan", "mlp:PLAN", "--input", "mlp:inputs",
-              "--dp", "fsdp2")
+    cli = run(str(venv / "bin" / "tpdp-verify"), "plan", "mlp:make_model", "--plan", "mlp:PLAN", "--input", "mlp:inputs")
     assert cli.returncode == 0 and ": PASS" in cli.stdout.splitlines()[0], cli.stdout[-2000:] + cli.stderr[-2000:]
+    explain = run(str(venv / "bin" / "tpdp-verify"), "explain", "15")
+    assert explain.returncode == 0 and explain.stdout.startswith("### 15. "), explain.stderr[-2000:]
+    drafted = run(str(venv / "bin" / "tpdp-verify"), "report", "15", "--no-run")
+    assert drafted.returncode == 0 and "def _log_softmax_backward_handler" in drafted.stdout, drafted.stderr[-2000:]
     fixture = run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py")
     assert fixture.returncode == 0 and "1 passed" in fixture.stdout, fixture.stdout[-3000:]
     assert not any(str(ROOT) in p for p in run(python, "-c", "import tpdp_verify, tpdp_verify.plan;"

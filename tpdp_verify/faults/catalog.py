@@ -663,8 +663,8 @@ half precision: one rank raises (`attempting to assign a gradient with dtype 'fl
 tensor with grad_dtype 'BFloat16'`) and another aborts in gloo (`Received data size doesn't
 match expected size`). Training itself runs; reading the gradients kills the job. An
 ignored module is one way to leave a rank only frozen parameters (the `frozen` model with
-its first layer ignored); a `Sequential(frozen Linear, Linear)` does it without one. The fix
-is one dtype argument.
+its first layer ignored); a `Sequential(frozen Linear, Linear)` does it without one, and so
+does TP where it leaves a rank's shard no element at all. The fix is one dtype argument.
 
 - **Caught by:** no property's verdict: the explaining run (the same DP entry point without
   TP) meets it beside a TP+DP failure, `could not be run: rank 2 of 4 was killed by
@@ -678,7 +678,17 @@ is one dtype argument.
     entry_points=('fsdp1',),
     apis=('FullyShardedDataParallel.summon_full_params(with_grads=True)', 'FullyShardedDataParallel(ignored_modules=...)'),
     source=('torch.distributed.fsdp._flat_param:FlatParamHandle.unshard_grad',),
-    shows=(),
+    shows=(
+        # reading the gradients gathers float32 zeros beside half precision from a rank whose
+        # shard holds no trainable element: TP's empty shards leave one such too
+        Shows(("crash:SIGABRT",),
+              ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fsdp1",)), ("dtype", ("bfloat16", "float16")), ("tp_empty", True))),
+        # frozen's frozen layer fills the shards of some ranks where the dp ranks are many
+        Shows(("crash:SIGABRT",),
+              ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fsdp1",)), ("dtype", ("bfloat16", "float16")), ("model", ("frozen",)))),
+    ),
     repro='f14_fsdp1_ignored_half_precision_abort.py',
 ),
 Fault(
@@ -962,7 +972,179 @@ world-8 release draw found it; no 4-rank mesh has 4 replicas beside tp.
         Shows(("check:replicas-agree-on-*",),
               ("large_dp_*",),
               (("entry", ("fully_shard",)), ("mesh_dims", (3,)), ("dp_replicate", (4, 8)), ("tp_uneven", True))),
+        # FSDP2's replicate all-reduces over a 1-D dp mesh the same way: 4 replicas beside uneven tp shards
+        Shows(("check:replicas-agree-on-*", "value:*"),
+              ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("replicate_fsdp",)), ("mesh_dims", (2,)), ("dp", (4, 8)), ("tp_uneven", True))),
     ),
     repro='f21_hsdp_uneven_tp_replicas_drift.py',
+),
+Fault(
+    number=22,
+    name='FSDP2 cannot reduce an empty TP shard',
+    title='FSDP2 cannot reduce-scatter the gradient of a TP shard that holds no element',
+    what="""When TP leaves a tp rank an empty shard (a width narrower than the tp degree: `torch.chunk`
+gives the last ranks nothing), FSDP2's reduce-scatter copy-in (`foreach_reduce_scatter_copy_in`)
+hands the empty gradient to `torch._chunk_cat`, which requires non-empty tensors: the
+backward raises `_chunk_cat expects non-empty tensor` on that rank, under `fully_shard` and
+FSDP2's `replicate` alike. TP alone trains the same model. `FSDPParam._init_sharded_param`
+also turns the TP-local `[1, 0]` shard into a `(0, 0)` FSDP shard, so skipping the empty
+gradient in the copy-in alone leaves `full_tensor()` hanging: a fix needs both.""",
+    consequence="""a model with a layer narrower than the tp degree (a small head, a low-rank adapter, a
+  tiny test model) cannot train under FSDP2 with TP.""",
+    workaround="""keep every TP-sharded width at least the tp degree (better, a multiple of it), or leave
+  such a layer out of the TP plan.""",
+    fix="keep every TP-sharded width at least the tp degree, or leave the narrow layer out of the TP plan",
+    entry_points=('fully_shard', 'replicate_fsdp'),
+    apis=("fully_shard(mesh=mesh['dp'])", 'torch.distributed._composable.replicate_with_fsdp.replicate',
+          'ColwiseParallel', 'RowwiseParallel'),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_collectives:foreach_reduce_scatter_copy_in',
+            'torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharded_param'),
+    shows=(
+        # the backward's reduce-scatter meets the empty shard's gradient
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward",),
+              ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fully_shard", "replicate_fsdp")), ("tp_empty", True))),
+    ),
+    repro='f22_fsdp2_tp_empty_shard_reduce_scatter.py',
+),
+Fault(
+    number=23,
+    name='vocab-sharded embedding raises on an empty vocab shard',
+    title='A vocab-sharded embedding raises on a tp rank that holds no row, and the others wait',
+    what="""`RowwiseParallel` on an `nn.Embedding` (torchtitan's plan for the token embedding) shards
+the vocab with `torch.chunk`: a vocab of 5 over 4 tp ranks leaves the last rank no row.
+`_MaskPartial._mask_tensor` maps the ids a rank does not hold to row 0, even on a rank whose
+table has no rows; the local `aten.embedding` there raises `index_select(): self indexing
+axis dim should be positive`, while the other ranks wait for it in the all-reduce: a hang
+in a user's job, or every rank failing once gloo notices. With 2 tp ranks only a vocab of 1
+leaves a rank empty, and DTensor then gathers the table instead (right). The same vocab
+under `loss_parallel` hangs the loss (fault 13).""",
+    consequence="""a model whose vocab does not fill every tp rank hangs (or dies) in its first forward.""",
+    workaround="""pad the vocab to a multiple of the tp degree, as Megatron and torchtitan do.""",
+    fix="pad the vocab to a multiple of the tp degree",
+    entry_points=(),
+    apis=('parallelize_module', 'RowwiseParallel (on nn.Embedding)'),
+    source=('torch.distributed.tensor.placement_types:_MaskPartial._mask_tensor',
+            'torch.distributed.tensor._ops._embedding_ops:embedding_strategy'),
+    shows=(
+        # the empty vocab shard's lookup raises in the embedding's forward
+        Shows(("raised:RuntimeError at torch/nn/modules/sparse.py:forward",), ("*",), (("vocab_empty", True),)),
+    ),
+    repro='f23_embedding_empty_vocab_shard.py',
+),
+Fault(
+    number=24,
+    name='loss_parallel with class weights and ignored targets',
+    title="Under `loss_parallel`, cross entropy with class weights cannot backpropagate past an ignored target",
+    what="""`loss_parallel()`'s fused backward (`_nll_loss_and_log_softmax_backward`) gathers the class
+weights by the raw target (`torch.gather(w, channel_dim, target)`) where the forward used a
+safe one: a target equal to `ignore_index` (-100, the padding of a language model's labels)
+is out of range, and the backward raises `index -100 is out of bounds` on every rank. The
+loss itself is right; class weights without ignored targets, and ignored targets without
+weights, are right. The fix is to gather with `torch.where(target != ignore_index, target, 0)`
+(the result is masked afterwards).""",
+    consequence="""a padded language-model loss with class weights (label re-weighting, rare-token
+  up-weighting) cannot train under `loss_parallel()`.""",
+    workaround="""weight the per-token losses yourself (`reduction="none"`, then multiply by the weights of
+  the targets and mask the ignored ones), or compute that loss outside `loss_parallel()`.""",
+    fix="weight the per-token losses yourself (reduction='none'), or compute that loss outside loss_parallel()",
+    entry_points=(),
+    apis=('torch.distributed.tensor.parallel.loss_parallel', 'torch.nn.functional.cross_entropy(weight=..., ignore_index=...)'),
+    source=('torch.distributed.tensor.parallel.loss:_nll_loss_and_log_softmax_backward',),
+    shows=(
+        # the backward's gather of the weights by an ignored target
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward",),
+              ("losses_train_like_one_device",),
+              (("loss.parallel", True), ("loss.ignore_index", True), ("loss.class_weights", True))),
+    ),
+    repro='f24_loss_parallel_weight_ignore_index.py',
+),
+Fault(
+    number=25,
+    name='FSDP1 with TP unties tied weights',
+    title='FSDP1 over a TP model unties weights the model ties',
+    what="""An embedding tied to the output head (re-tied after `parallelize_module`, as users do) is
+one DTensor parameter at two sites. FSDP1 with TP flattens it twice:
+`FlatParamHandle._init_flat_param_and_metadata` replaces the parameter by
+`DTensorExtensions.pre_flatten_transform`'s output (its local tensor) before it records it
+in `shared_param_memo`, so the second site is not seen as shared. After wrapping, the two
+sites are separate parameters: each gets only its own use's gradient, and they train apart.
+FSDP1 without TP keeps the tie. Keying the memo by the parameter is not enough: the first
+forward then raises `Changing shared parameters is not supported yet` in the extension's
+write-back.""",
+    consequence="""a TP model with tied weights trains as an untied one under FSDP1, silently: the
+  embedding and the head drift apart from the first step.""",
+    workaround="""FSDP2 (`fully_shard`) with the tie made again after `parallelize_module`, or untie the
+  weights on purpose.""",
+    fix="use FSDP2 (fully_shard) with the tie made after parallelize_module",
+    entry_points=('fsdp1',),
+    apis=("FullyShardedDataParallel(device_mesh=mesh['dp'], use_orig_params=True)", 'parallelize_module'),
+    source=('torch.distributed.fsdp._flat_param:FlatParamHandle._init_flat_param_and_metadata',),
+    shows=(
+        # two parameters where the model has one, each trained by its own use's gradient
+        Shows(("check:parameters-stay-registered-in-order", "value:*"),
+              ("*train*",),
+              (("entry", ("fsdp1",)), ("model", ("tied",)))),
+    ),
+    repro='f25_fsdp1_tp_unties_shared_weight.py',
+),
+Fault(
+    number=26,
+    name='FSDP1 cannot wrap a TP unit empty on a rank',
+    title='FSDP1 with TP asserts in its constructor where a wrapped unit holds no element on a rank',
+    what="""With an `auto_wrap_policy`, FSDP1 flattens each unit apart. Where TP left a rank an empty
+shard of every parameter of a unit (a width narrower than the tp degree), the unit's flat
+parameter has no element there, and `FlatParamHandle.shard` computes its end index as -1:
+`_init_shard_metadata` asserts (`unsharded_start_idx: 0 unsharded_end_idx: -1`) in FSDP's
+`__init__` on that rank, while the others go on wrapping. The same model wrapped as one
+unit trains.""",
+    consequence="""a TP model with a layer narrower than the tp degree cannot be wrapped per layer by
+  FSDP1 (the usual policy for a transformer).""",
+    workaround="""keep every TP-sharded width at least the tp degree, wrap such a layer in a larger unit,
+  or use FSDP2.""",
+    fix="keep every TP-sharded width at least the tp degree, or wrap the narrow layer in a larger unit",
+    entry_points=('fsdp1',),
+    apis=('FullyShardedDataParallel(auto_wrap_policy=..., device_mesh=...)',),
+    source=('torch.distributed.fsdp._flat_param:FlatParamHandle.shard',
+            'torch.distributed.fsdp._flat_param:FlatParamHandle._init_shard_metadata'),
+    shows=(
+        # the empty unit's shard metadata asserts in the constructor
+        Shows(("raised:AssertionError at torch/distributed/fsdp/fully_sharded_data_parallel.py:__init__",),
+              ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fsdp1",)), ("tp_empty", True))),
+    ),
+    repro='f26_fsdp1_tp_empty_unit_assert.py',
+),
+Fault(
+    number=27,
+    name="FSDP2's local shards contradict an uneven TP layout",
+    title="Under FSDP2, an unevenly TP-sharded parameter's local shards are not where its placements say",
+    what="""`fully_shard` on `mesh["dp"]` shards a parameter TP already sharded on dim 0 (a
+`ColwiseParallel` weight) once more on dim 0: its placements become `(_StridedShard(0, sf=tp),
+Shard(0))`. Where TP's split is uneven (a width that does not divide by the tp degree), the
+rows each rank holds disagree with the shape and offset those placements give
+(`compute_local_shape_and_global_offset`): on a (4, 2) mesh, rank 6 holds 0 rows of a width
+of 9 and rank 7 holds 1, where the layout says the reverse. `full_tensor()` is still right;
+anything that trusts the layout (DCP's offsets, a reader assembling the shards, the gate's
+harness) puts rows in the wrong place.""",
+    consequence="""checkpoints and tools that place local shards by their layout misplace rows of an
+  unevenly sharded model under FSDP2 with TP.""",
+    workaround="""widths that divide by the tp degree (as torchtitan's models have); read parameters
+  through `full_tensor()`.""",
+    fix="keep TP-sharded widths divisible by the tp degree; read parameters through full_tensor()",
+    entry_points=('fully_shard',),
+    apis=("fully_shard(mesh=mesh['dp'])", 'ColwiseParallel', 'torch.distributed.checkpoint'),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharded_param',),
+    shows=(
+        # the ranks' shards, assembled by their layout, disagree across replicas and with one device;
+        # the draws showed it with 4 or more dp ranks (with 2, the misplaced rows happened to agree)
+        Shows(("check:replicas-agree-on-*", "value:*", "check:every-optimizer-state-is-there",
+               "check:trainable-parameters-move-as-in-the-oracle"),
+              ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
+              (("entry", ("fully_shard",)), ("mesh_dims", (2,)), ("dp", (4, 8)), ("dp_mesh_dims", False),
+               ("tp_uneven", True))),
+    ),
+    repro='f27_fsdp2_uneven_tp_local_shard_layout.py',
 ),
 )

@@ -197,7 +197,10 @@ def averaging_ignored(case: TrainCase, wrapped, mesh):
         return lambda: None
     import torch.distributed as dist
 
-    params, group = list(ignorable(wrapped.inner).parameters()), dp_group(case, mesh)
+    # the module as the wrapped model holds it now: a transform that unregistered its
+    # parameters leaves nothing to average (the registry checks say so), never an error here
+    ignored = ignorable(wrapped.inner)
+    params, group = [] if ignored is None else list(ignored.parameters()), dp_group(case, mesh)
 
     def average():
         for p in params:

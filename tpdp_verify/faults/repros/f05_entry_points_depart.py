@@ -14,20 +14,20 @@ Three checks on 2 gloo ranks, a (dp=1, tp=2) mesh for the TP ones:
 Run: python f05_entry_points_depart.py
 """
 
-import datetime
 import os
-import signal
 import socket
 import sys
-import time
+import traceback
 import warnings
+from datetime import timedelta
+from time import monotonic, sleep
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-WORLD, TIMEOUT = 2, 60
+WORLD, TIMEOUT_S, GRACE_S = 2, 60, 5
 
 
 def mlp() -> nn.Module:
@@ -81,67 +81,13 @@ def adam_state(fsdp: bool) -> dict:
     return {n: (s["exp_avg"].flatten().tolist(), s["exp_avg_sq"].flatten().tolist()) for n, s in state.items()}
 
 
-def on_rank(rank: int, send) -> None:
+def on_rank(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
-    send("replicate", replicate_then_optimizer(mesh))
-    send("ddp_tp", optimizer_then_ddp(mesh, tp=True))
-    send("ddp_plain", optimizer_then_ddp(mesh, tp=False))
-    send("adam_one", adam_state(fsdp=False))
-    send("adam_fsdp", adam_state(fsdp=True))
-
-
-# --- boilerplate: gloo ranks on loopback, joined with a timeout --------------------------
-
-def rank_entry(rank: int, port: int, queue) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo listens on loopback only
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=TIMEOUT)
-    store = dist.TCPStore("127.0.0.1", port, WORLD + 1, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    # on_rank sends plain values (no tensors) as it goes; an exception it lets out is a bug of this file
-    on_rank(rank, lambda key, value: queue.put((rank, key, value)))
-    queue.put((rank, "done", True))
-    dist.destroy_process_group()
-
-
-def launch() -> tuple[dict, dict]:
-    """Run on_rank on WORLD ranks: ({rank: {key: value}}, {rank: 'hung' | 'aborted with SIG..' | 'raised'}),
-    the second for ranks that did not finish on_rank."""
-    listener = socket.create_server(("127.0.0.1", 0))  # a free port, loopback only
-    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], WORLD + 1, is_master=True,
-                          wait_for_workers=False, master_listen_fd=listener.detach())
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_entry, args=(r, store.port, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results, deadline = {r: {} for r in range(WORLD)}, time.monotonic() + TIMEOUT
-
-    def drain():
-        while not queue.empty():
-            rank, key, value = queue.get()
-            results[rank][key] = value
-
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        drain()
-        if any(p.exitcode for p in procs) or all("done" in r for r in results.values()):
-            deadline = min(deadline, time.monotonic() + 5)  # a rank died, or all finished: 5 s more
-        time.sleep(0.05)
-    drain()
-    failed = {}
-    for rank, p in enumerate(procs):
-        if p.exitcode is None:
-            failed[rank] = "hung"
-            p.kill()
-            p.join()
-        elif p.exitcode != 0:
-            failed[rank] = f"aborted with {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else "raised"
-        if results[rank].pop("done", False) and rank in failed:  # in teardown, after its work: not ours
-            print(f"note: rank {rank} {failed.pop(rank)} after finishing on_rank", file=sys.stderr)
-    return results, failed
+    return {"replicate": replicate_then_optimizer(mesh), "ddp_tp": optimizer_then_ddp(mesh, tp=True),
+            "ddp_plain": optimizer_then_ddp(mesh, tp=False), "adam_one": adam_state(fsdp=False),
+            "adam_fsdp": adam_state(fsdp=True)}
 
 
 def max_diff(a: dict, b: dict, which: int) -> float:
@@ -149,10 +95,10 @@ def max_diff(a: dict, b: dict, which: int) -> float:
 
 
 def main() -> int:
-    results, failed = launch()
-    if failed:
-        print(f"repro error: ranks {failed} (see stderr)", file=sys.stderr)
-        return 2
+    results = run_ranks()
+    if (code := bail_out(results)) is not None:
+        return code
+    results = {rank: value for rank, (_, value) in results.items()}
     r = results[0]
     one, fsdp = r["adam_one"], r["adam_fsdp"]
     avg, avg_sq = (max(abs(x) for v in one.values() for x in v[i]) for i in (0, 1))
@@ -166,7 +112,67 @@ def main() -> int:
                   or max(max_diff(res["adam_fsdp"], res["adam_one"], i) for i in (0, 1)) > 1e-6
                   for res in results.values())
     print("fault present" if present else "fault absent")
-    return 1 if present else 0
+    return int(present)
+
+
+# --- boilerplate: WORLD gloo ranks on 127.0.0.1, each answering once; a timeout for hangs ------
+
+def rank_main(rank, port, answers):
+    warnings.filterwarnings("ignore")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback too
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        answers.put((rank, "ok", on_rank(rank)))
+    except Exception:
+        answers.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def run_ranks() -> dict:
+    """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
+    ctx = mp.get_context("spawn")
+    listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
+    port = listener.getsockname()[1]
+    # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), timeout=timedelta(seconds=TIMEOUT_S))
+    answers = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, answers), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, monotonic() + TIMEOUT_S
+    while len(results) < WORLD and monotonic() < deadline:
+        while not answers.empty():
+            rank, status, value = answers.get()
+            results[rank] = (status, value)
+            if status != "ok":  # the others may wait for this rank: give them a grace only
+                deadline = min(deadline, monotonic() + GRACE_S)
+        for r, p in enumerate(procs):
+            if r not in results and p.exitcode not in (None, 0) and answers.empty():
+                results[r] = ("aborted", p.exitcode)
+        sleep(0.05)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    del store  # kept until every rank is done with it
+    return {r: results.get(r, ("hung", None)) for r in range(WORLD)}
+
+
+def bail_out(results) -> int | None:
+    """2 when a rank failed in a way that is not this fault (what each said, to stderr), else None.
+
+    This fault neither raises out of on_rank nor hangs nor aborts a rank: any of those is
+    a bug in this script or another fault.
+    """
+    failed = {r: (s, v) for r, (s, v) in results.items() if s != "ok"}
+    for r, (status, value) in failed.items():
+        detail = {"error": f":\n{value}", "aborted": f" (exit code {value})"}.get(status, "")
+        print(f"rank {r} {status}{detail}", file=sys.stderr)
+    return 2 if failed else None
 
 
 if __name__ == "__main__":

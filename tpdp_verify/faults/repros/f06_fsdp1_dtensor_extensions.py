@@ -13,21 +13,22 @@ on which FSDP1 shards (dp >= 2) a TP'd (tp >= 2) model.
 Run: python f06_fsdp1_dtensor_extensions.py
 """
 
-import datetime
 import logging
 import os
 import signal
 import socket
 import sys
-import time
+import traceback
 import warnings
+from datetime import timedelta
+from time import monotonic, sleep
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-WORLD, TIMEOUT = 4, 60
+WORLD, TIMEOUT_S, GRACE_S = 4, 60, 5
 
 
 def chunk_tensor(mesh) -> str:
@@ -78,82 +79,94 @@ def sharded_state_dict(mesh) -> str:
     return f"global shapes {shapes}, full tensors off by {error:.3g}"
 
 
-def on_rank(rank: int, send) -> None:
+def on_rank(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    send("chunk_tensor", chunk_tensor(mesh))
-    send("state_dict", sharded_state_dict(mesh))  # last: tp rank 1 aborts in it
-
-
-# --- boilerplate: gloo ranks on loopback, joined with a timeout --------------------------
-
-def rank_entry(rank: int, port: int, queue) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo listens on loopback only
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=TIMEOUT)
-    store = dist.TCPStore("127.0.0.1", port, WORLD + 1, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    # on_rank sends plain values (no tensors) as it goes; an exception it lets out is a bug of this file
-    on_rank(rank, lambda key, value: queue.put((rank, key, value)))
-    queue.put((rank, "done", True))
-    dist.destroy_process_group()
-
-
-def launch() -> tuple[dict, dict]:
-    """Run on_rank on WORLD ranks: ({rank: {key: value}}, {rank: 'hung' | 'aborted with SIG..' | 'raised'}),
-    the second for ranks that did not finish on_rank."""
-    listener = socket.create_server(("127.0.0.1", 0))  # a free port, loopback only
-    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], WORLD + 1, is_master=True,
-                          wait_for_workers=False, master_listen_fd=listener.detach())
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_entry, args=(r, store.port, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results, deadline = {r: {} for r in range(WORLD)}, time.monotonic() + TIMEOUT
-
-    def drain():
-        while not queue.empty():
-            rank, key, value = queue.get()
-            results[rank][key] = value
-
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        drain()
-        if any(p.exitcode for p in procs) or all("done" in r for r in results.values()):
-            deadline = min(deadline, time.monotonic() + 5)  # a rank died, or all finished: 5 s more
-        time.sleep(0.05)
-    drain()
-    failed = {}
-    for rank, p in enumerate(procs):
-        if p.exitcode is None:
-            failed[rank] = "hung"
-            p.kill()
-            p.join()
-        elif p.exitcode != 0:
-            failed[rank] = f"aborted with {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else "raised"
-        if results[rank].pop("done", False) and rank in failed:  # in teardown, after its work: not ours
-            print(f"note: rank {rank} {failed.pop(rank)} after finishing on_rank", file=sys.stderr)
-    return results, failed
+    chunked = [None] * WORLD  # every rank's, so that the ranks that survive state_dict() tell them all
+    dist.all_gather_object(chunked, chunk_tensor(mesh))
+    return {"chunk_tensor": chunked, "state_dict": sharded_state_dict(mesh)}  # last: tp rank 1 aborts in it
 
 
 def main() -> int:
-    results, failed = launch()
-    if "raised" in failed.values() or "hung" in failed.values():
-        print(f"repro error: ranks {failed} (see stderr)", file=sys.stderr)
-        return 2
+    results = run_ranks()
+    # A rank killed by a signal (gloo's SIGABRT on the mismatched sizes) is the fault's symptom.
+    failed = {r: f"aborted with {signal.Signals(-v).name}" for r, (s, v) in results.items() if s == "aborted" and v < 0}
+    if (code := bail_out({r: sv for r, sv in results.items() if r not in failed})) is not None:
+        return code
+    results = {r: v for r, (s, v) in results.items() if s == "ok"}
+    chunked = next(iter(results.values()))["chunk_tensor"] if results else ["no answer"] * WORLD
     print("expected: FSDP.state_dict() under SHARDED_STATE_DICT gives every rank DTensors of the global "
           "shapes {'0.weight': (3, 4), '0.bias': (3,)}, full tensors off by 0; chunk_tensor gives every "
           "rank a ShardedTensor listing its own block under its rank")
     said = [f"rank {r} {how}" for r, how in failed.items()]
     said += [f"rank {r} raised {v['state_dict']}" if "Error" in v["state_dict"] else f"rank {r} {v['state_dict']}"
-             for r, v in results.items() if "state_dict" in v]
-    wrong = [f"rank {r} {v['chunk_tensor']}" for r, v in results.items() if v.get("chunk_tensor") != "ok"]
+             for r, v in results.items()]
+    wrong = [f"rank {r} {v}" for r, v in enumerate(chunked) if v != "ok"]
     print(f"actual:   state_dict(): {'; '.join(said)}. chunk_tensor: {'; '.join(wrong) or 'ok'}")
-    present = bool(failed or wrong) or any("off by 0" not in v.get("state_dict", "") for v in results.values())
+    present = bool(failed or wrong) or any("off by 0" not in v["state_dict"] for v in results.values())
     print("fault present" if present else "fault absent")
-    return 1 if present else 0
+    return int(present)
+
+
+# --- boilerplate: WORLD gloo ranks on 127.0.0.1, each answering once; a timeout for hangs ------
+
+def rank_main(rank, port, answers):
+    warnings.filterwarnings("ignore")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback too
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        answers.put((rank, "ok", on_rank(rank)))
+    except Exception:
+        answers.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def run_ranks() -> dict:
+    """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
+    ctx = mp.get_context("spawn")
+    listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
+    port = listener.getsockname()[1]
+    # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), timeout=timedelta(seconds=TIMEOUT_S))
+    answers = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, answers), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, monotonic() + TIMEOUT_S
+    while len(results) < WORLD and monotonic() < deadline:
+        while not answers.empty():
+            rank, status, value = answers.get()
+            results[rank] = (status, value)
+            if status != "ok":  # the others may wait for this rank: give them a grace only
+                deadline = min(deadline, monotonic() + GRACE_S)
+        for r, p in enumerate(procs):
+            if r not in results and p.exitcode not in (None, 0) and answers.empty():
+                results[r] = ("aborted", p.exitcode)
+        sleep(0.05)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    del store  # kept until every rank is done with it
+    return {r: results.get(r, ("hung", None)) for r in range(WORLD)}
+
+
+def bail_out(results) -> int | None:
+    """2 when a rank failed in a way that is not this fault (what each said, to stderr), else None.
+
+    This fault neither raises out of on_rank nor hangs nor aborts a rank: any of those is
+    a bug in this script or another fault.
+    """
+    failed = {r: (s, v) for r, (s, v) in results.items() if s != "ok"}
+    for r, (status, value) in failed.items():
+        detail = {"error": f":\n{value}", "aborted": f" (exit code {value})"}.get(status, "")
+        print(f"rank {r} {status}{detail}", file=sys.stderr)
+    return 2 if failed else None
 
 
 if __name__ == "__main__":

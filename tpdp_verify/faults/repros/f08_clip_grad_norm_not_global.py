@@ -12,20 +12,20 @@ third Linear the plan leaves alone, clipped with torch.nn.utils.clip_grad_norm_(
 Run: python f08_clip_grad_norm_not_global.py
 """
 
-import datetime
 import os
-import signal
 import socket
 import sys
-import time
+import traceback
 import warnings
+from datetime import timedelta
+from time import monotonic, sleep
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-WORLD, TIMEOUT = 2, 60
+WORLD, TIMEOUT_S, GRACE_S = 2, 60, 5
 MAX_NORM = 0.01  # always clips
 
 
@@ -75,7 +75,7 @@ def clip_under_fully_shard(mesh) -> str:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}..."
 
 
-def on_rank(rank: int, send) -> None:
+def on_rank(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     one = model()
@@ -84,69 +84,15 @@ def on_rank(rank: int, send) -> None:
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     norm, seen, grads = clip_under_ddp(mesh)
     error = max((g - p.grad).abs().max().item() for g, p in zip(grads, one.parameters()))
-    send("one", one_norm)
-    send("count", len(list(one.parameters())))
-    send("ddp", (norm, seen, error))
-    send("fully_shard", clip_under_fully_shard(mesh))
-
-
-# --- boilerplate: gloo ranks on loopback, joined with a timeout --------------------------
-
-def rank_entry(rank: int, port: int, queue) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo listens on loopback only
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=TIMEOUT)
-    store = dist.TCPStore("127.0.0.1", port, WORLD + 1, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    # on_rank sends plain values (no tensors) as it goes; an exception it lets out is a bug of this file
-    on_rank(rank, lambda key, value: queue.put((rank, key, value)))
-    queue.put((rank, "done", True))
-    dist.destroy_process_group()
-
-
-def launch() -> tuple[dict, dict]:
-    """Run on_rank on WORLD ranks: ({rank: {key: value}}, {rank: 'hung' | 'aborted with SIG..' | 'raised'}),
-    the second for ranks that did not finish on_rank."""
-    listener = socket.create_server(("127.0.0.1", 0))  # a free port, loopback only
-    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], WORLD + 1, is_master=True,
-                          wait_for_workers=False, master_listen_fd=listener.detach())
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_entry, args=(r, store.port, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results, deadline = {r: {} for r in range(WORLD)}, time.monotonic() + TIMEOUT
-
-    def drain():
-        while not queue.empty():
-            rank, key, value = queue.get()
-            results[rank][key] = value
-
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        drain()
-        if any(p.exitcode for p in procs) or all("done" in r for r in results.values()):
-            deadline = min(deadline, time.monotonic() + 5)  # a rank died, or all finished: 5 s more
-        time.sleep(0.05)
-    drain()
-    failed = {}
-    for rank, p in enumerate(procs):
-        if p.exitcode is None:
-            failed[rank] = "hung"
-            p.kill()
-            p.join()
-        elif p.exitcode != 0:
-            failed[rank] = f"aborted with {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else "raised"
-        if results[rank].pop("done", False) and rank in failed:  # in teardown, after its work: not ours
-            print(f"note: rank {rank} {failed.pop(rank)} after finishing on_rank", file=sys.stderr)
-    return results, failed
+    return {"one": one_norm, "count": len(list(one.parameters())), "ddp": (norm, seen, error),
+            "fully_shard": clip_under_fully_shard(mesh)}
 
 
 def main() -> int:
-    results, failed = launch()
-    if failed:
-        print(f"repro error: ranks {failed} (see stderr)", file=sys.stderr)
-        return 2
+    results = run_ranks()
+    if (code := bail_out(results)) is not None:
+        return code
+    results = {rank: value for rank, (_, value) in results.items()}
     r = results[0]
     print(f"expected: clip_grad_norm_ returns one device's total norm {r['one']:.4f} over all {r['count']} "
           f"parameters and scales every gradient by {MAX_NORM}/{r['one']:.4f}, under DDP and fully_shard alike")
@@ -156,7 +102,67 @@ def main() -> int:
     present = any(abs(v["ddp"][0] - v["one"]) > 1e-5 or v["ddp"][2] > 1e-6 or v["fully_shard"] != f"{v['one']:.4f}"
                   for v in results.values())
     print("fault present" if present else "fault absent")
-    return 1 if present else 0
+    return int(present)
+
+
+# --- boilerplate: WORLD gloo ranks on 127.0.0.1, each answering once; a timeout for hangs ------
+
+def rank_main(rank, port, answers):
+    warnings.filterwarnings("ignore")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback too
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        answers.put((rank, "ok", on_rank(rank)))
+    except Exception:
+        answers.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def run_ranks() -> dict:
+    """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
+    ctx = mp.get_context("spawn")
+    listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
+    port = listener.getsockname()[1]
+    # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), timeout=timedelta(seconds=TIMEOUT_S))
+    answers = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, answers), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, monotonic() + TIMEOUT_S
+    while len(results) < WORLD and monotonic() < deadline:
+        while not answers.empty():
+            rank, status, value = answers.get()
+            results[rank] = (status, value)
+            if status != "ok":  # the others may wait for this rank: give them a grace only
+                deadline = min(deadline, monotonic() + GRACE_S)
+        for r, p in enumerate(procs):
+            if r not in results and p.exitcode not in (None, 0) and answers.empty():
+                results[r] = ("aborted", p.exitcode)
+        sleep(0.05)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    del store  # kept until every rank is done with it
+    return {r: results.get(r, ("hung", None)) for r in range(WORLD)}
+
+
+def bail_out(results) -> int | None:
+    """2 when a rank failed in a way that is not this fault (what each said, to stderr), else None.
+
+    This fault neither raises out of on_rank nor hangs nor aborts a rank: any of those is
+    a bug in this script or another fault.
+    """
+    failed = {r: (s, v) for r, (s, v) in results.items() if s != "ok"}
+    for r, (status, value) in failed.items():
+        detail = {"error": f":\n{value}", "aborted": f" (exit code {value})"}.get(status, "")
+        print(f"rank {r} {status}{detail}", file=sys.stderr)
+    return 2 if failed else None
 
 
 if __name__ == "__main__":
