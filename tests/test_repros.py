@@ -22,6 +22,17 @@ def test_the_reproduction_needs_torch_alone(fault):
     assert ast.get_docstring(tree).startswith(f"Fault {fault.number:02d} (torch 2.13.0)")
 
 
+MARKER = "# --- boilerplate: WORLD gloo ranks on 127.0.0.1"
+
+
+def test_every_reproduction_spawns_its_ranks_by_the_same_block():
+    """Each file stands alone, so each carries the spawn, rendezvous (loopback only) and
+    timeout code: one block, the same bytes in every file, so a fix to it is made once."""
+    blocks = {f.number: f.repro_path.read_text().partition(MARKER)[2] for f in faults.CATALOG}
+    assert all(blocks.values()) and len(set(blocks.values())) == 1, sorted(n for n, b in blocks.items()
+                                                                          if b != blocks[1])
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fault", faults.CATALOG, ids=lambda f: f"fault{f.number}")
 def test_the_reproduction_shows_its_fault_on_the_pinned_torch(fault, tmp_path):

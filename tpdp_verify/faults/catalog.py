@@ -621,7 +621,11 @@ Fault(
     what="""`ColwiseParallel` on an output head shards the vocab with `torch.chunk`: a vocab of 5 over
 4 tp ranks gives 2, 2, 1 and 0 columns. Under `loss_parallel()`, the cross entropy raises
 on the rank with none (`RuntimeError: index 0 is out of bounds for dimension 1 with size 0`,
-in `_nll_loss_forward`) while the others wait for it in a collective: the job hangs. An
+in `_nll_loss_forward`) while the others wait for it in a collective: the job hangs (on
+gloo, some of the waiting ranks fail with `Connection closed by peer` once the raising rank
+exits; the others stay blocked). The empty rank also skips `_log_softmax`'s MAX all-reduce
+(`x.numel() == 0`), so its collectives pair with the wrong ones before it raises: a fix of
+the gather alone leaves them mismatched. An
 exclusion (`vocab_empty_shard`) kept such vocabs out of every draw, for the hang; a hang is a
 finding, and the zoo's `llama_lm` and `tied` now draw any vocab from 2 to 32.
 
@@ -1124,8 +1128,11 @@ Fault(
 `ColwiseParallel` weight) once more on dim 0: its placements become `(_StridedShard(0, sf=tp),
 Shard(0))`. Where TP's split is uneven (a width that does not divide by the tp degree), the
 rows each rank holds disagree with the shape and offset those placements give
-(`compute_local_shape_and_global_offset`): on a (4, 2) mesh, rank 6 holds 0 rows of a width
-of 9 and rank 7 holds 1, where the layout says the reverse. `full_tensor()` is still right;
+(`compute_local_shape_and_global_offset`): on a (3, 2) mesh, rank 4 holds no row of a width
+of 7 and rank 5 holds row 6, where the layout says the reverse (on (4, 2), widths 9, 17, 25;
+with 2 dp ranks no width shows it). FSDP2 stores each rank's piece as a chunk of its TP shard
+(`_init_sharded_param`) and labels it `(_StridedShard(0, sf=tp), Shard(0))`
+(`_init_sharding_spec_tp`), which DTensor splits otherwise. `full_tensor()` is still right;
 anything that trusts the layout (DCP's offsets, a reader assembling the shards, the gate's
 harness) puts rows in the wrong place.""",
     consequence="""checkpoints and tools that place local shards by their layout misplace rows of an
@@ -1135,14 +1142,15 @@ harness) puts rows in the wrong place.""",
     fix="keep TP-sharded widths divisible by the tp degree; read parameters through full_tensor()",
     entry_points=('fully_shard',),
     apis=("fully_shard(mesh=mesh['dp'])", 'ColwiseParallel', 'torch.distributed.checkpoint'),
-    source=('torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharded_param',),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharded_param',
+            'torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharding_spec_tp'),
     shows=(
         # the ranks' shards, assembled by their layout, disagree across replicas and with one device;
-        # the draws showed it with 4 or more dp ranks (with 2, the misplaced rows happened to agree)
+        # 3 or more dp ranks (with 2, every uneven width's rows land where the layout says)
         Shows(("check:replicas-agree-on-*", "value:*", "check:every-optimizer-state-is-there",
                "check:trainable-parameters-move-as-in-the-oracle"),
               ("*train*", "*state_dict_like_unsharded", "*checkpoint_resume*"),
-              (("entry", ("fully_shard",)), ("mesh_dims", (2,)), ("dp", (4, 8)), ("dp_mesh_dims", False),
+              (("entry", ("fully_shard",)), ("mesh_dims", (2,)), ("dp", (3, 4, 5, 6, 7, 8)), ("dp_mesh_dims", False),
                ("tp_uneven", True))),
     ),
     repro='f27_fsdp2_uneven_tp_local_shard_layout.py',

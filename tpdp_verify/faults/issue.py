@@ -85,7 +85,7 @@ def for_fault(f: Fault, pythons: list[str], runs: bool = True) -> str:
 
     shown = [run(f, p) for p in pythons] if runs else []
     out = [f"title: [DTensor] {f.title}", "",
-           "### What is wrong, and why it matters", "", f.what.strip(), "", f.consequence.strip(), "",
+           "### What is wrong, and why it matters", "", f.what.strip(), "", _sentence(f.consequence), "",
            "### Reproduction", "",
            f"Needs only torch; spawns its own gloo ranks on the CPU. Save as `{f.repro}` and run "
            f"`python {f.repro}`: it prints what one device computes and what the ranks computed, and "
@@ -102,11 +102,17 @@ def for_fault(f: Fault, pythons: list[str], runs: bool = True) -> str:
     out += [f"### Where (torch {torch.__version__} as installed)", ""]
     for ref in f.source:
         out += [source(ref), ""]
-    out += ["### Workaround", "", f.workaround.strip(), ""]
+    out += ["### Workaround", "", _sentence(f.workaround), ""]
     out += ["### Related", "", f"Upstream: {', '.join(f.upstream)}" if f.upstream else
             "No upstream issue or pull request was found for it.",
             f"Found by tpdp-verify (fault {f.number} of its catalog: `tpdp-verify explain {f.number}`)."]
     return "\n".join(out) + "\n"
+
+
+def _sentence(text: str) -> str:
+    """A record's clause (it follows a bold label in the docs) as text that stands alone."""
+    text = text.strip()
+    return text[:1].upper() + text[1:]
 
 
 def findings(record: dict) -> list[tuple[dict, dict]]:
