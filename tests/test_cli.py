@@ -114,7 +114,8 @@ def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_s
     assert replayed.returncode == 1
     section = report.split("== flatten_roundtrip (world size 2): diverges\n", 1)[1].splitlines()
     assert section[1].startswith("found: ") and section[2].startswith("signature: check:")
-    found = section[3]
+    assert section[3].startswith("catalog: fault 2, DP transform thaws frozen TP parameters (workaround: ")
+    found = section[4]
     assert found.startswith("tpdp_verify.judging.divergence.") and found in replayed.stderr, (found, replayed.stderr)
 
 
@@ -216,7 +217,9 @@ def test_gate_junit_has_a_failing_testcase_per_divergent_property(torch_gate, pa
     assert int(suite.get("failures")) == len(failures) and suite.get("errors") == "0"
     for f in failures:
         first = f.text.splitlines()[2]  # "found: <kind>", after the "== property" header
-        assert "\n" not in f.get("message") and first.startswith(f.get("message")[:100])
+        message = f.get("message")  # "found: <kind> [fault N, ...]": the kind and the faults the catalog names
+        assert "\n" not in message and first.startswith(message.partition(" [fault")[0][:100])
+        assert re.search(r" \[fault \d+(, fault \d+)*\]$", message), message
         assert "-- replay" in f.text
     assert {p.get("name"): p.get("value") for p in suite.iter("property")}["impl"] == "torch"
 

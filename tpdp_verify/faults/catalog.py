@@ -706,8 +706,7 @@ to the logits. Cross entropy, and `nll_loss` of the log-probabilities, are right
 loss over the log-probabilities gets wrong gradients, silently: a KL divergence to a
 teacher's distribution (distillation), a preference loss that sums weighted log-probs over
 the vocabulary. Its docstring says only cross entropy is supported; the others run and
-train wrong rather than refuse. No DP entry point is involved. torch 2.14.1 does the same
-(the replay below, run in a throwaway venv: the same 0.165).
+train wrong rather than refuse. No DP entry point is involved.
 
 - **Caught by:** `losses_train_like_one_device` (`value:gradient`) on `teacher_kl` under
   `loss_parallel`, every entry point, `tied` and `llama_lm`.""",
@@ -742,8 +741,7 @@ reduce_dtype=torch.float32)`, torchtitan's policy, that sum runs in bfloat16, th
 policy says gradients are reduced in float32. A gradient accumulated over microbatches
 (`set_requires_gradient_sync(False)`) is cast to `reduce_dtype` before it is summed
 (`to_accumulated_grad_if_needed`), so that path is right, and the same model trains to
-different precision with and without accumulation. torch 2.14.1 does the same (the replay
-below, run in a throwaway venv). The fix is one cast: `--impl reference` casts the
+different precision with and without accumulation. The fix is one cast: `--impl reference` casts the
 gradients to `reduce_dtype` before the sum (tpdp_verify/impls/fsdp2_sums.py) and passes.
 
 - **Caught by:** `trains_like_plain_ddp` (`check:tp-sums-a-step-s-gradients-in-the-reduce-dtype`)

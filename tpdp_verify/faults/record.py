@@ -47,7 +47,8 @@ class Fault:
     source: tuple[str, ...]  # "module:qualname" of torch's code at fault
     shows: tuple[Shows, ...]
     repro: str  # the file in repros/
-    releases: tuple[str, ...] = ("2.13.0",)
+    # the releases whose run of the reproduction shows it (docs/performance.md: each run on both)
+    releases: tuple[str, ...] = ("2.13.0", "2.14.1")
     upstream: tuple[str, ...] = ()  # the issues and pull requests that report or fix it
 
     @property
