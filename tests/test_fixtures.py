@@ -136,7 +136,7 @@ def test_tp_matches_the_unsharded_model(tpdp_pools, name, world_size, tp):
     fx, pool = ZOO[name], tpdp_pools.get(world_size)
 
     # the fixture's plan against its unsharded model: where torch itself fails (a vocab that
-    # leaves a tp rank no column, fault 13: tests/test_replays_shipped.py) says nothing of it
+    # leaves a tp rank no column, fault 13: tests/test_repros.py) says nothing of it
     sizes = fx.sizes(tp).filter(lambda s: not empty_shard(s.vocab, tp) or name not in VOCAB_SHARDED)
 
     @settings(max_examples=3, derandomize=True, database=None, deadline=None)
