@@ -20,13 +20,12 @@ from tpdp_verify.faults.record import Explanation, Fault, Shows, facts
 __all__ = ["CATALOG", "Explanation", "Fault", "Shows", "explain", "facts", "find", "tally"]
 
 
-def explain(prop: str, drawn: dict | None, sig, catalog=None) -> Explanation:
+def explain(prop: str, drawn: dict | None, sig) -> Explanation:
     """The faults that explain a failure of ``prop`` on the case ``drawn`` with signature ``sig``."""
-    catalog = CATALOG if catalog is None else catalog
     known = facts(drawn)
     found, unexplained = {}, []
     for part in sig:
-        by = [f for f in catalog if any(s.explains(part, prop, known) for s in f.shows)]
+        by = [f for f in CATALOG if any(s.explains(part, prop, known) for s in f.shows)]
         for f in by:
             found[f.number] = f
         if not by:
@@ -34,11 +33,10 @@ def explain(prop: str, drawn: dict | None, sig, catalog=None) -> Explanation:
     return Explanation(tuple(found[n] for n in sorted(found)), tuple(unexplained))
 
 
-def find(ref: str, catalog=None) -> Fault | None:
+def find(ref: str) -> Fault | None:
     """A fault by its number ("15", "fault 15"), its name, or its repro's file name."""
-    catalog = CATALOG if catalog is None else catalog
     ref = ref.strip().lower().removeprefix("fault").strip()
-    for f in catalog:
+    for f in CATALOG:
         if ref in (str(f.number), f.name.lower(), f.repro.lower(), f.repro.lower().removesuffix(".py")):
             return f
     return None

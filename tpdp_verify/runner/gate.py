@@ -422,7 +422,7 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
                    f"{len(unshrunk)} later searches reported their failures as first found: "
                    + ", ".join(f"{o.property} (world {o.world_size})" for o in unshrunk))
     if full:
-        out += catalog_lines(outcomes, len(outcomes) * 10) + list(excluded)
+        out += catalog_lines(outcomes, most=None) + list(excluded)
         out.append(coverage.summary_line(coverage.unexercised()))
         for o in outcomes:
             if o.status != "pass":
@@ -445,11 +445,13 @@ def _named(f: Finding) -> str:
         return ""
     if not f.explanation.faults:
         return " [no catalogued fault]"
-    return f" [{'; '.join(x.label for x in f.explanation.faults)}{' + uncatalogued parts' * bool(f.explanation.unexplained)}]"
+    more = " + uncatalogued parts" if f.explanation.unexplained else ""
+    return f" [{'; '.join(x.label for x in f.explanation.faults)}{more}]"
 
 
-def catalog_lines(outcomes: list[Outcome], most: int = 5) -> list[str]:
-    """How many known failures the catalog explains; each it does not (``most`` of them), for it is news."""
+def catalog_lines(outcomes: list[Outcome], most: int | None = 5) -> list[str]:
+    """How many known failures the catalog explains; each it does not (``most`` of them; None:
+    all), for it is news."""
     known = [(o, f) for o in outcomes for f in o.findings if f.status == "known" and f.explanation]
     if not known:
         return []
@@ -459,7 +461,8 @@ def catalog_lines(outcomes: list[Outcome], most: int = 5) -> list[str]:
     news = [f"  no catalogued fault explains {', '.join(f.explanation.unexplained)} in {o.property} (world "
             f"{o.world_size}): news, though the baseline release fails alike" for o, f in known
             if not f.explanation.explained]
-    return out + news[:most] + ([f"  and {len(news) - most} more (the full report)"] if len(news) > most else [])
+    left = len(news) - (len(news) if most is None else min(most, len(news)))
+    return out + news[:most] + ([f"  and {left} more (the full report)"] if left else [])
 
 
 def outcome_report(o: Outcome) -> str:
