@@ -20,6 +20,7 @@ demo: $(STAMP)
 	if [ $$rc -eq 1 ]; then echo "demo: the gate found divergences in torch (above); exit code 1 is that verdict"; fi; \
 	echo; echo "next:"; \
 	echo "  $(BIN)/tpdp-verify gate --profile smoke --baseline torch==2.13.0   # which are torch 2.13.0's own (exit 0)"; \
+	echo "  $(BIN)/tpdp-verify explain 1   # a fault named above: what goes wrong, the workaround (report 1: an upstream issue)"; \
 	echo "  $(BIN)/tpdp-verify plan MODULE:MAKE_MODEL --plan MODULE:PLAN --input MODULE:INPUTS   # your TP plan"; \
 	echo "  docs/user-guide.md (your plan), docs/cli.md (the gate), docs/known-divergences.md (torch's faults)"; \
 	test $$rc -eq 0 -o $$rc -eq 1
