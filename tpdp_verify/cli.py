@@ -605,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT and SIGTERM raise Interrupted (once): gate and plan write what they judged
         with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
             warnings.showwarning = _one_line
-            if args.command not in ("env", "merge", "memo", "explain"):  # env says what this machine has, torch too old or not
+            # env says what this machine has, torch too old or not; the others read files only
+            if args.command not in ("env", "merge", "memo", "explain"):
                 torch_release.check()
             return COMMANDS[args.command](args)
     except UsageError as exc:

@@ -25,7 +25,7 @@ failure no record explains says so, for it is news even where 2.13.0 fails the s
 def table(catalog) -> str:
     rows = ["| fault | name | entry points | upstream |", "| ---: | --- | --- | --- |"]
     rows += [f"| [{f.number}](#{_anchor(f)}) | {f.name} | {', '.join(f.entry_points) or 'none'} | "
-             f"{_upstream(f, link=True)} |" for f in catalog]
+             f"{_upstream(f)} |" for f in catalog]
     return "\n".join(rows)
 
 
@@ -39,7 +39,7 @@ def section(f: Fault) -> str:
     out.append("- **Shows in:** " + ("; ".join(_shows(s) for s in f.shows) or "no property's verdict") + ".")
     out.append(f"- **Reproduction:** `tpdp_verify/faults/repros/{f.repro}` (torch only; "
                f"`tpdp-verify report {f.number}` prints it with what it shows here).")
-    out.append(f"- **Releases that show it:** {', '.join(f.releases)}. **Upstream:** {_upstream(f, link=True)}.")
+    out.append(f"- **Releases that show it:** {', '.join(f.releases)}. **Upstream:** {_upstream(f)}.")
     return "\n".join(out)
 
 
@@ -64,14 +64,14 @@ def _shows(s: Shows) -> str:
     return f"{', '.join(s.properties)} ({', '.join(f'`{p}`' for p in s.parts)}{where})"
 
 
-def _upstream(f: Fault, link: bool = False) -> str:
-    """The fault's issues and pull requests: pytorch#N each, linked."""
+def _upstream(f: Fault) -> str:
+    """The fault's issues and pull requests: pytorch#N each, linked; a pull request marked."""
     if not f.upstream:
         return "none found"
     said = []
     for url in f.upstream:
         kind, number = url.rstrip("/").split("/")[-2:]
-        said.append(f"[pytorch#{number}]({url})" + (" (fix)" if kind == "pull" else "") if link else url)
+        said.append(f"[pytorch#{number}]({url})" + (" (pull request)" if kind == "pull" else ""))
     return ", ".join(said)
 
 
