@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tpdp_verify import faults
+from tpdp_verify.faults import spawn_block
 
 OWN = {"tpdp_verify", "oracles", "properties", "fixtures"}
 
@@ -22,15 +23,21 @@ def test_the_reproduction_needs_torch_alone(fault):
     assert ast.get_docstring(tree).startswith(f"Fault {fault.number:02d} (torch 2.13.0)")
 
 
-MARKER = "# --- boilerplate: WORLD gloo ranks on 127.0.0.1"
-
-
-def test_every_reproduction_spawns_its_ranks_by_the_same_block():
+def test_every_reproduction_spawns_its_ranks_by_the_same_block(tmp_path):
     """Each file stands alone, so each carries the spawn, rendezvous (loopback only) and
-    timeout code: one block, the same bytes in every file, so a fix to it is made once."""
-    blocks = {f.number: f.repro_path.read_text().partition(MARKER)[2] for f in faults.CATALOG}
-    assert all(blocks.values()) and len(set(blocks.values())) == 1, sorted(n for n, b in blocks.items()
-                                                                          if b != blocks[1])
+    timeout code: fault 1's block, the same bytes in every file. A fix is made there once
+    and copied by `python -m tpdp_verify.faults.spawn_block`, which this checks too."""
+    paths = [f.repro_path for f in faults.CATALOG]
+    assert all(spawn_block.block(p) for p in paths)
+    assert not spawn_block.differing(paths), "run python -m tpdp_verify.faults.spawn_block: " + ", ".join(
+        p.name for p in spawn_block.differing(paths))
+    copies = []
+    for p in paths[:3]:
+        copies.append(tmp_path / p.name)
+        copies[-1].write_text(p.read_text())
+    copies[1].write_text(copies[1].read_text().replace("GRACE_S)", "GRACE_S + 1)"))  # an edit the block lost
+    assert spawn_block.differing(copies) == [copies[1]] and spawn_block.sync(copies) == [copies[1]]
+    assert copies[1].read_text() == paths[1].read_text() and not spawn_block.differing(copies)
 
 
 @pytest.mark.timeout(200)
