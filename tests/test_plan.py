@@ -104,6 +104,24 @@ def test_a_tie_that_comes_apart_is_said_so(pool):
     assert "tie them again after it, in a parallelize_fn" in str(report)  # what to do about it
 
 
+def test_the_tied_models_workaround_works_for_a_vocabulary_parallel_plan(pool):
+    """Fault 3's workaround for a user's tied model (not the zoo's: its ties are found on one
+    device), with the vocabulary sharded under loss_parallel: DDP cannot wrap it, and the
+    report names the fault and the flag; FSDP2, the default, with the weights re-tied passes."""
+    def run(**dp):
+        return verify_plan(um.make_tied, parallelize_fn=um.parallelize_tied_vocab, input_fn=um.tokens_and_targets,
+                           loss_fn=um.dtensor_token_loss, loss_parallel=True, pool=pool, steps=2, **dp)
+
+    under_ddp = str(run(dp="ddp")).splitlines()
+    assert under_ddp[0].endswith("DIVERGES"), under_ddp
+    assert under_ddp[2].startswith("every departure below matches torch's catalogued fault 3, tied TP "), under_ddp
+    assert "(--dp fsdp2) avoids it" in under_ddp[2]
+    report = run()
+    assert report.ok and report.case.entry == "fully_shard", str(report)
+    assert "nll_loss_backward" in report.to_dict()["exercised"]["loss ops"]
+    assert next(x for x in report.lines if x.check == "gradients vs one device").compared > 0
+
+
 def test_a_head_that_returns_its_shard_is_named(pool):
     report = verify(um.LOCAL_HEAD, pool=pool, steps=1)
     assert not report.ok and report.first_module == "down", str(report)

@@ -29,6 +29,12 @@ from helpers import divergences, the_one
 FSDP1_MODELS = tuple(m for m in ZOO if m not in ("tied", "frozen", "unused"))
 
 
+def found_first(profile):
+    """Torch's known departures below are asserted by their message: found, not shrunk (the
+    shrinking of torch's failures is shown in test_structure), which saves a minute each."""
+    return dataclasses.replace(profile, shrink=False)
+
+
 def narrowed(prop, **narrower):
     return prop.drawing(case=lambda ws: train_cases(ws, **{**SOUND_TRAINING, **narrower}))
 
@@ -57,19 +63,19 @@ def test_reference_trains_exactly_through_fsdp1(tpdp_pools, tpdp_profile):
 
 def test_torch_optimizer_built_after_a_forward_gets_no_parameters(tpdp_pool, tpdp_profile):
     prop = narrowed(trains_like_one_device, entries=("ddp_mesh",), built=("after_forward",))
-    found, _ = divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    found, _ = divergences(prop, tpdp_pool, "torch", found_first(tpdp_profile))
     assert any("optimizer got an empty parameter list" in str(e) for e in found), found
 
 
 def test_torch_optimizer_built_before_wrapping_never_steps(tpdp_pool, tpdp_profile):
     prop = narrowed(entry_points_train_like_one_device, entries=("transform_ddp",), built=("before_wrap",))
-    found, _ = divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    found, _ = divergences(prop, tpdp_pool, "torch", found_first(tpdp_profile))
     assert any("stayed where it was" in str(e) and "the departure is TP+DP's" in str(e) for e in found), found
 
 
 def test_torch_replicate_with_a_mesh_never_trains(tpdp_pool, tpdp_profile):
     prop = narrowed(entry_points_train_like_one_device, entries=("replicate",))
-    found, _ = divergences(prop, tpdp_pool, "torch", tpdp_profile)
+    found, _ = divergences(prop, tpdp_pool, "torch", found_first(tpdp_profile))
     assert any("gradient present where the oracle has one" in str(e) for e in found), found
 
 
@@ -78,10 +84,10 @@ def test_torch_fsdp1_cannot_accumulate_gradients_under_no_sync(tpdp_pools, tpdp_
     each model) would end the run before any case is drawn, and other models reach an
     FSDP1 hang that has no verdict (docs/properties.md)."""
     prop = entry_points_train_like_one_device.drawing(case=lambda ws: train_cases(
-        ws, entries=("fsdp1",), built=("after_wrap",), models=("mlp",), mesh_shapes=((2, 2),)))
-    found, stats = divergences(prop, tpdp_pools.get(4), "torch", tpdp_profile)
+        ws, entries=("fsdp1",), built=("after_wrap",), models=("mlp",), mesh_shapes=((2, 2),), options=False,
+    ).filter(lambda c: c.accumulate > 1))
+    found, _ = divergences(prop, tpdp_pools.get(4), "torch", found_first(tpdp_profile))
     assert any("invalid python storage" in str(e) for e in found), found
-    assert any(case.accumulate == 2 for case in (d["case"] for d in stats.failures.values()))
 
 
 def test_clip_grad_norm_under_ddp_with_tp_misses_the_global_norm(tpdp_pool):

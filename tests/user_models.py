@@ -218,6 +218,20 @@ def tied_plan_without_retie(tp_mesh):
     return plans.tied()
 
 
+def parallelize_tied_vocab(model, mesh):
+    """The tied model with its vocabulary sharded as loss_parallel wants it: the embedding's
+    rows and the head's outputs (Shard(-1) logits, kept a DTensor), then re-tied."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tpdp_verify.fixtures import plans
+
+    plan = {**plans.tied(), "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(model, mesh["tp"], plan)
+    plans.retie(model)
+    return model
+
+
 class Float32Only(MLP):
     """Trains in float32; its forward casts to float32 by hand, which the float64 run cannot take."""
 

@@ -202,7 +202,8 @@ class Report:
         found: dict = {}
         unexplained: list[str] = []
         for against, prop in (("one device", "trains_like_one_device"), ("plain DDP", "trains_like_plain_ddp")):
-            e = faults.explain(prop, {"case": self.case}, [p for a, p in self._parts(known) if a == against])
+            drawn = {"case": self.case, "ties": bool(self.one_device.tied)}  # a user's model's ties, found on one device
+            e = faults.explain(prop, drawn, [p for a, p in self._parts(known) if a == against])
             found |= {f.number: f for f in e.faults}
             unexplained += [p for p in e.unexplained if p not in unexplained]
         return faults.Explanation(tuple(found[n] for n in sorted(found)), tuple(unexplained))

@@ -152,8 +152,12 @@ the backward raises the same; `replicate` raises in its first forward.
   release gate's report, or `trains_like_one_device.fn(pool, 'torch', case=TrainCase(model='tied',
   size=Size(dim=1, hidden=2, heads=2, vocab=4, seq=1), mesh_shape=(2, 4), local_batch=1))` on `RankPool(8)`.""",
     consequence="""a TP model with tied weights cannot be wrapped by `DDP(device_mesh=...)` or `replicate`.""",
-    workaround="""untie the weights for training, or use FSDP2.""",
-    fix='untie the weights for training, or use FSDP2 (fully_shard)',
+    workaround="""use FSDP2 (`fully_shard`), tying the weights again after `parallelize_module`
+(`model.head.weight = model.embed.weight`) with a plan that shards both alike: the embedding
+`RowwiseParallel` and the head `ColwiseParallel` both shard the vocabulary rows, and the head's
+logits may stay vocab-sharded for `loss_parallel` (`tests/test_plan.py` shows it). Or untie the
+weights for training.""",
+    fix='use FSDP2 (fully_shard), re-tying the weights after parallelize_module; or untie them',
     entry_points=('transform_ddp', 'ddp_mesh', 'replicate'),
     apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed._composable.replicate'),
     source=('torch.distributed.tensor.parallel.ddp:_localize_dtensor',),
@@ -175,7 +179,7 @@ the backward raises the same; `replicate` raises in its first forward.
                "check:gradient-present-where-the-oracle-has-one",
                "check:trainable-parameters-move-as-in-the-oracle", "check:replicas-agree-on-*", "value:*"),
               ("*train*", "miswiring_refused_or_exact", "*state_dict_like_unsharded", "*checkpoint_resume*"),
-              (("entry", DDP), ("model", ("tied",)))),
+              (("entry", DDP), ("ties", True))),
     ),
     repro='f03_ddp_tp_tied_params.py',
 ),
@@ -1087,7 +1091,7 @@ write-back.""",
         # two parameters where the model has one, each trained by its own use's gradient
         Shows(("check:parameters-stay-registered-in-order", "value:*"),
               ("*train*",),
-              (("entry", ("fsdp1",)), ("model", ("tied",)))),
+              (("entry", ("fsdp1",)), ("ties", True))),
     ),
     repro='f25_fsdp1_tp_unties_shared_weight.py',
 ),

@@ -96,7 +96,7 @@ def facts(drawn: dict | None) -> dict:
             _flatten(value, "", out)
         else:
             out[name] = value
-    for derive in (_mesh, _zoo, _fsdp2, _chunked, _tree):
+    for derive in (_mesh, _zoo, _ties, _fsdp2, _chunked, _tree):
         for name, value in derive(out, drawn or {}).items():
             out.setdefault(name, value)
     return out
@@ -131,6 +131,12 @@ def _zoo(out: dict, drawn: dict) -> dict:
             "tp_uneven": any(n % tp for n in widths),  # a sharded width does not divide by tp
             "vocab_empty": "vocab" in SHARDED[model] and empty_shard(out["size.vocab"], tp),  # nor of the vocab
             "ignored_tp": bool(out.get("habits.ignored")) and model in IGNORED_TP}
+
+
+def _ties(out: dict, drawn: dict) -> dict:
+    """Whether the model ties parameters: the zoo's ``tied``; a user's model says it in the
+    drawn ``ties`` (a plan report passes its oracle's, which found them on one device)."""
+    return {"ties": out.get("model") == "tied"} if "model" in out else {}
 
 
 def _fsdp2(out: dict, drawn: dict) -> dict:

@@ -53,6 +53,7 @@ class Verdict:
     departures: dict[str, float] = field(default_factory=dict)
     # what the observed run went through (tpdp_verify.ranks.loop.Trace.exercised)
     exercised: dict[str, list[str]] = field(default_factory=dict)
+    tied: list[tuple[str, ...]] = field(default_factory=list)  # the oracle's names sharing one parameter
 
     @classmethod
     def of_ranks(cls, observed: list[Observation], minimum: int = 1) -> Verdict:
@@ -285,7 +286,7 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     dtype = case.wire_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
                 if observed.state_unobserved else "", unread=shadow.unread, accumulate=case.accumulate,
-                exercised=observed.exercised)
+                exercised=observed.exercised, tied=shadow.tied)
     if observed.error:
         v.checks.append(Check("trains without an exception", False, observed.error, observed.raised))
         v.first_module = observed.raised_in or None
