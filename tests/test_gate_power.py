@@ -10,6 +10,11 @@ must catch it, with the ci profile's budget.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +118,22 @@ def test_an_exception_before_the_first_step_that_is_not_a_refusal_is_new(tpdp_po
                          for f in found), outcome.findings
     # the planted error itself, and where it makes FSDP1's wrapping fail otherwise on the memo's cases
     assert any("contiguous local tensor" in f.failure for f in found), [f.failure for f in found]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mutant, prop", [
+    (torch_mutants.UpdateSkipsSetattr, "paths_resolve"),
+    (torch_mutants.LocalizeKeepsPlainTensors, "ignored_params_untouched"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_an_edit_that_unregisters_parameters_blocks_the_gate_as_its_finding(tmp_path, mutant, prop):
+    """The gate at ci, as a user runs it: exit 1 with the edit NEW by replay on 2.13.0, never
+    exit 3 (the harness's own error) on the modules the edit leaves (issue 42)."""
+    out = subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", "--profile", "ci", "--impl",
+                          f"torch_mutants.{mutant.__name__}", "--baseline", "torch==2.13.0", "--no-install", "-k", prop,
+                          "--json", str(tmp_path / "gate.json")], capture_output=True, text=True, timeout=580,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    record = json.loads((tmp_path / "gate.json").read_text())
+    found = [f for p in record["properties"] for f in p["findings"] if f["status"] == "NEW"]
+    assert {p["world_size"] for p in record["properties"] if any(f["status"] == "NEW" for f in p["findings"])} == {2, 4}
+    assert all(f["replay"] for f in found) and record["counts"]["infra"] == 0, found

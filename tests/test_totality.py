@@ -16,21 +16,30 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from tpdp_verify.cases.tensors import FSDPCase, TensorCase
+from tpdp_verify.cases.training import DDP_ENTRIES, Habits, TrainCase
 from tpdp_verify.cases.trees import Node, ParamSpec, TreeCase
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.properties import (
     all_gather_dtensor_full,
     chunk_dtensor_layout,
+    checkpoint_resumes,
     chunk_tensor_metadata,
+    entry_points_checkpoint_resume,
+    entry_points_state_dict_like_unsharded,
     flatten_roundtrip,
     fsdp_flatten_roundtrip,
     ignored_params_untouched,
     paths_resolve,
     registry_preserved,
+    trains_like_one_device,
+    trains_like_plain_ddp,
 )
 from tpdp_verify.runner.property import finding
 
+from properties import checkpoint
+
 import malformed_impls
+import torch_mutants
 
 # Uneven shards of two dims: rank 0's shard of two rows even unpacks as a pair.
 TENSOR = TensorCase(mesh_shape=(2,), placements=(Shard(0),), shape=(3, 2), dtype=torch.float32,
@@ -87,3 +96,47 @@ def test_reference_passes_the_fixed_cases(tpdp_pools):
     """The fixed cases are ones the reference passes: what fails above is the malformation."""
     for name, drawn in DRAWN.items():
         BY_NAME[name].fn(tpdp_pools.get(2), "reference", **drawn)
+
+
+# -- the modules a regression leaves ----------------------------------------------------
+# torch's transform with one edit that unregisters the TP parameters (tests/torch_mutants.py):
+# the rank side then meets a module missing a parameter, or holding a plain tensor where a
+# Parameter was. Every property that trains or checkpoints through it, on a fixed case per
+# DDP-family entry point (the ignored module's averaging too), fails a check or is a finding
+# at the code under test; the harness never errs in its own code (issue 42).
+
+UNREGISTERING = [torch_mutants.UpdateSkipsSetattr, torch_mutants.LocalizeKeepsPlainTensors]
+TRAINED = [TrainCase(model="mlp", mesh_shape=(1, 2), entry=entry) for entry in DDP_ENTRIES] + [
+    TrainCase(model="tied", mesh_shape=(1, 2), entry="transform_ddp"),
+    # the nested model keeps a trained plain parameter beside the ignored module, so DP wraps
+    # what is left and the user's averaging of the ignored module's gradients meets the module
+    # as the transform left it (unregistered: nothing to average)
+    TrainCase(model="nested", mesh_shape=(1, 2), entry="replicate", habits=Habits(ignored="trained")),
+    TrainCase(model="mlp", mesh_shape=(1, 2), entry="transform_ddp", habits=Habits(ignored="frozen"))]
+def _through(prop, route=None):
+    """``prop``'s run on a case, a checkpoint's by ``route``: the property of the checkpoint
+    family whose space holds the case (as the gate's draw puts it in one or the other)."""
+    def run(pool, impl, case):
+        if route is None:
+            return prop.fn(pool, impl, case=case)
+        inside = checkpoint.sound(case.entry, route, case.model, case)
+        (checkpoint_resumes if inside else entry_points_checkpoint_resume).fn(pool, impl, case=case, route=route)
+    run.__name__ = prop.name if route is None else f"checkpoints by {route}"
+    return run
+
+
+THROUGH = [_through(trains_like_one_device), _through(trains_like_plain_ddp),
+           _through(entry_points_state_dict_like_unsharded), *(_through(None, r) for r in checkpoint.ROUTES)]
+
+
+@pytest.mark.parametrize("mutant", UNREGISTERING, ids=lambda m: m.__name__)
+def test_a_regression_that_unregisters_parameters_is_a_finding_never_the_harnesss_error(tpdp_pools, mutant):
+    found = 0
+    for run in THROUGH:
+        for case in TRAINED:
+            try:
+                run(tpdp_pools.get(2), f"torch_mutants.{mutant.__name__}", case)
+            except Exception as exc:  # noqa: BLE001 - judged here
+                assert finding(exc) is not None, f"{run.__name__} on {case}: {type(exc).__name__}: {exc}"
+                found += 1
+    assert found == len(THROUGH) * len(TRAINED)  # each run departs: the parameters are gone

@@ -271,6 +271,45 @@ class UpdateSkipsDelattr(TorchReference):
             setattr(parent_module, module_path, t)
 
 
+class UpdateSkipsSetattr(TorchReference):
+    """``_update_module_param`` deletes the old attribute and never sets the new one (the
+    ``setattr`` lost in an edit): every TP parameter leaves its module. The harness must
+    report what is gone as a failed check, never raise on the module it finds (issue 42)."""
+
+    caught_by = frozenset({"registry_preserved", "trains_like_one_device"})
+    departs_as = frozenset({"ParametersStayRegisteredInOrder"})
+
+    @staticmethod
+    def update_module_param(param_list):
+        for parent_module, module_path, t in param_list:
+            if not hasattr(parent_module, module_path):
+                raise AssertionError
+            delattr(parent_module, module_path)
+
+
+class LocalizeKeepsPlainTensors(TorchReference):
+    """``_localize_dtensor`` puts the local shard back as a plain tensor, not wrapped in
+    ``nn.Parameter`` (the wrap lost in an edit): the module then holds it as a plain
+    attribute, so DP and the optimizer never see the TP parameters. A failed check, never
+    an error of the harness's own (issue 42)."""
+
+    caught_by = frozenset({"registry_preserved", "trains_like_one_device"})
+    departs_as = frozenset({"ParametersStayRegisteredInOrder"})
+
+    @staticmethod
+    def localize_dtensor(module: nn.Module, *_, ignored_params=None):
+        ignored_params = ignored_params or set()
+        param_list = []
+        for name, param in module.named_parameters():
+            if param in ignored_params:
+                continue
+            t, sharding_info = _ddp._flatten_tensor(param)
+            if sharding_info is not None:
+                t._st_info = sharding_info
+                param_list.append((*_ddp._get_submodule_n_params(module, name), t))
+        _ddp._update_module_param(param_list)
+
+
 class FlattenReturnsTheFullTensor(TorchReference):
     """``_flatten_tensor`` returns the gathered global tensor in place of the local shard
     (``full_tensor()``, as a refactor that confused the two would): DP then buckets and
