@@ -13,7 +13,7 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS, Loss, TrainCase
+from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS, Loss, Size, TrainCase
 from tpdp_verify.oracles.verdicts import verdict_one_device
 from tpdp_verify.properties.exclusions import SOUND_TRAINING, smooths_under_loss_parallel
 from tpdp_verify.properties.training import every_model, train_cases
@@ -44,11 +44,27 @@ def loss_cases(world_size: int) -> st.SearchStrategy[TrainCase]:
     return st.builds(lambda case, loss: dataclasses.replace(case, loss=loss), cases, losses())
 
 
+# Where loss_parallel's cross entropy takes branches of its own, each with a mean over the
+# sample's tokens (its total_weight): padding targets left out of the count, and class weights
+# (without padding: with both, torch 2.13 raises, fault 24); one in a few hundred drawn cases.
+EDGES = {
+    "ignored targets, mean": Loss(kind="cross_entropy", reduction="mean", ignore_index=True),
+    "class weights, mean": Loss(kind="cross_entropy", reduction="mean", class_weights=True),
+}
+
+
 def every_loss(strategies: dict) -> list[dict]:
     """Each model's simplest case with every kind of loss, under loss_parallel and not: 40
-    drawn cases can miss a kind on one side."""
-    return [{"case": dataclasses.replace(covered["case"], loss=Loss(kind=kind, parallel=parallel))}
-            for covered in every_model(strategies) for kind in LOSS_KINDS for parallel in (True, False)]
+    drawn cases can miss a kind on one side. Then each edge under loss_parallel through
+    FSDP2, where torch 2.13 trains exactly: a regression there is not hidden by a fault of
+    the entry point (the simplest cases' DDP loses its registry)."""
+    simplest = [covered["case"] for covered in every_model(strategies)]
+    kinds = [{"case": dataclasses.replace(c, loss=Loss(kind=kind, parallel=parallel))}
+             for c in simplest for kind in LOSS_KINDS for parallel in (True, False)]
+    # the model's default size but for 8 tokens a sample (its first never padding): its
+    # simplest has one or two, where no target is ignored and no denominator is tested
+    return kinds + [{"case": dataclasses.replace(c, entry="fully_shard", size=Size(seq=8), loss=edge)}
+                    for c in simplest for edge in EDGES.values()]
 
 
 @tpdp_property(min_world_size=2, cover=every_loss, case=loss_cases)

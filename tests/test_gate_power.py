@@ -61,6 +61,11 @@ def new(outcome, part=None):
     # beside fault 15 (a KL loss's gradients under loss_parallel), in the losses that go
     # through cross entropy's sharded backward
     (torch_mutants.ParallelCrossEntropyGradScales, losses_train_like_one_device, "value:gradient"),
+    # loss_parallel's own branches, each with a mean over a sample's tokens, which the cover
+    # cases reach through FSDP2 (properties/losses.py EDGES): the padding counted in the mean,
+    # and the class weights left out of the fused backward
+    (torch_mutants.IgnoredTargetsCountedInTheMean, losses_train_like_one_device, "value:loss"),
+    (torch_mutants.ClassWeightsLeftOutOfTheBackward, losses_train_like_one_device, "value:gradient"),
     # each rank's total norm left unreduced, where torch 2.13 clips exactly (FSDP2 over a plan
     # that shards every parameter over tp: the cover cases clip the MLP both ways, by 1e-2):
     # each rank clips by its own norm, so the clipped gradients depart first

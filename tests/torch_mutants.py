@@ -448,6 +448,53 @@ class ParallelCrossEntropyGradScales(TorchReference):
         return _replaced((loss, "customized_loss_ops", {**loss.customized_loss_ops, nll_backward: scaled}))
 
 
+class IgnoredTargetsCountedInTheMean(TorchReference):
+    """loss_parallel's ``_nll_loss_forward`` counts every target in the mean's denominator,
+    the ignored (padding) ones too: ``total_weight`` the number of targets where torch
+    counts ``target != ignore_index`` (torch/distributed/tensor/parallel/loss.py). The
+    backward divides by the same count, so the loss and every gradient shrink by the share
+    of padding, on cases with ignored targets and a mean reduction only (issue 42)."""
+
+    caught_by = frozenset({"losses_train_like_one_device"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor.parallel import loss
+
+        forward = loss._nll_loss_forward
+
+        def counting_all(x, target, weight, local_weight, reduction, ignore_index, *args):
+            result, total_weight = forward(x, target, weight, local_weight, reduction, ignore_index, *args)
+            if reduction != loss.Reduction.MEAN.value or weight is not None:
+                return result, total_weight
+            every = torch.full_like(total_weight, target.numel())
+            return result * total_weight / every, every
+
+        return _replaced((loss, "_nll_loss_forward", counting_all))
+
+
+class ClassWeightsLeftOutOfTheBackward(TorchReference):
+    """loss_parallel's fused backward (``_nll_loss_and_log_softmax_backward``) leaves the
+    class weights out of the gradient while the forward weighs the loss by them (the
+    ``weight`` branch lost in an edit): the gradients of a weighted cross entropy depart;
+    on cases with class weights and no ignored targets too, where torch 2.13 is exact."""
+
+    caught_by = frozenset({"losses_train_like_one_device"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor.parallel import loss
+
+        backward = loss._nll_loss_and_log_softmax_backward
+
+        def unweighted(grad_output, x, target, weight, *args):
+            return backward(grad_output, x, target, None, *args)
+
+        return _replaced((loss, "_nll_loss_and_log_softmax_backward", unweighted))
+
+
 class NormLeftPerRank(TorchReference):
     """The total gradient norm over DTensor gradients computed from each rank's local
     shards, never reduced: what ``clip_grad_norm_`` and ``get_total_norm``
