@@ -13,7 +13,7 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS, Loss, Size, TrainCase
+from tpdp_verify.cases.training import LOGITS, LOSS_KINDS, LOSS_MODELS, REDUCTIONS, Loss, Size, TrainCase
 from tpdp_verify.oracles.verdicts import verdict_one_device
 from tpdp_verify.properties.exclusions import SOUND_TRAINING, smooths_under_loss_parallel
 from tpdp_verify.properties.training import every_model, train_cases
@@ -25,14 +25,16 @@ CROSS_ENTROPY = ("cross_entropy", "z_loss")  # the kinds that take cross entropy
 
 @st.composite
 def losses(draw) -> Loss:
-    """A loss as users write them; cross entropy's options only where the kind takes them,
-    label smoothing not under loss_parallel (the exclusion label_smoothing_under_loss_parallel)."""
+    """A loss as users write them; cross entropy's options (the logits' layout among them)
+    only where the kind takes them, label smoothing not under loss_parallel (the exclusion
+    label_smoothing_under_loss_parallel)."""
     kind = draw(st.sampled_from(LOSS_KINDS))
     parallel = draw(st.booleans())
     options = kind in CROSS_ENTROPY
     loss = Loss(kind=kind, reduction=draw(st.sampled_from(REDUCTIONS)), ignore_index=draw(st.booleans()),
                 label_smoothing=draw(st.sampled_from(SMOOTHING)) if options else 0.0,
-                class_weights=options and draw(st.booleans()), parallel=parallel)
+                class_weights=options and draw(st.booleans()), parallel=parallel,
+                logits=draw(st.sampled_from(LOGITS)) if options else "")
     return dataclasses.replace(loss, label_smoothing=0.0) if smooths_under_loss_parallel(loss) else loss
 
 

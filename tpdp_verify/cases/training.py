@@ -246,6 +246,10 @@ LOSS_KINDS = (
     "z_loss",           # cross entropy plus a penalty on the log-partition (logsumexp) squared
 )
 REDUCTIONS = ("mean", "sum", "none")  # over a sample's tokens; "none": the per-token losses, then their mean
+# How cross entropy takes a sample's logits: "" as (tokens, vocab); "ncd" with the class dim
+# first, (N, C, D) = (1, vocab, tokens); "nchw" as a per-pixel classifier's (N, C, H, W), the
+# tokens a grid. Under loss_parallel each goes through other branches of its ops (nll_loss2d).
+LOGITS = ("", "ncd", "nchw")
 LOSS_MODELS = ("tied", "llama_lm")  # the zoo's models with a vocabulary head
 
 
@@ -259,6 +263,10 @@ class Loss:
     label_smoothing: float = 0.0    # cross entropy's
     class_weights: bool = False     # cross entropy's weight: a fixed weight per vocabulary entry
     parallel: bool = True           # under loss_parallel(): the logits a vocab-sharded DTensor
+    logits: str = field(default="", repr=False)  # one of LOGITS (in repr where set)
+
+    def __repr__(self) -> str:
+        return _repr(self, late=("logits",), default="")
 
 
 BETWEEN = ("", "eval", "no_grad", "submodule")
