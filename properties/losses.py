@@ -56,13 +56,15 @@ EDGES = {
 
 
 def every_loss(strategies: dict) -> list[dict]:
-    """Each model's simplest case with every kind of loss, under loss_parallel and not: 40
-    drawn cases can miss a kind on one side. Then each edge under loss_parallel through
+    """Each model's simplest case with every kind of loss, under loss_parallel and not, and
+    with cross entropy's logits of rank 3 and 4 under it: 40 drawn cases can miss a kind on
+    one side. Then each edge under loss_parallel through
     FSDP2, where torch 2.13 trains exactly: a regression there is not hidden by a fault of
     the entry point (the simplest cases' DDP loses its registry)."""
     simplest = [covered["case"] for covered in every_model(strategies)]
     kinds = [{"case": dataclasses.replace(c, loss=Loss(kind=kind, parallel=parallel))}
              for c in simplest for kind in LOSS_KINDS for parallel in (True, False)]
+    kinds += [{"case": dataclasses.replace(c, loss=Loss(logits=layout))} for c in simplest for layout in LOGITS[1:]]
     # the model's default size but for 8 tokens a sample (its first never padding): its
     # simplest has one or two, where no target is ignored and no denominator is tested
     return kinds + [{"case": dataclasses.replace(c, entry="fully_shard", size=Size(seq=8), loss=edge)}

@@ -147,8 +147,9 @@ def test_the_ci_draw_composes_tp_and_dp(prop, world_size):
 
 def test_the_ci_profile_draws_every_loss_on_both_sides_of_loss_parallel():
     """losses_train_like_one_device, by the gate's own draw: every kind under loss_parallel
-    and over replicated logits, every reduction, every cross-entropy option, both models
-    with a head, every sound entry point, TP and DP composed."""
+    and over replicated logits, every reduction, every cross-entropy option (logits of
+    rank 3 and 4 among them), both models with a head, every sound entry point, TP and DP
+    composed."""
     from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS
     from tpdp_verify.properties.exclusions import SOUND_TRAINING
     from tpdp_verify.properties.losses import losses_train_like_one_device as prop
@@ -164,12 +165,14 @@ def test_the_ci_profile_draws_every_loss_on_both_sides_of_loss_parallel():
         found.update([f"kind={loss.kind} parallel={loss.parallel}", f"reduction={loss.reduction}",
                       f"model={c.model}", f"entry={c.entry}", f"composed={min(c.mesh_shape) > 1}",
                       f"ignore_index={loss.ignore_index}", f"class_weights={loss.class_weights}",
-                      f"label_smoothing={loss.label_smoothing}"])
+                      f"label_smoothing={loss.label_smoothing}", f"logits={loss.logits} parallel={loss.parallel}"])
     expected = ([f"kind={k} parallel={p}" for k in LOSS_KINDS for p in (True, False)]
                 + [f"reduction={r}" for r in REDUCTIONS] + [f"model={m}" for m in LOSS_MODELS]
                 + [f"entry={e}" for e in SOUND_TRAINING["entries"]] + ["composed=True"]
                 + [f"{o}={v}" for o in ("ignore_index", "class_weights") for v in (True, False)]
                 + ["label_smoothing=0.1"]
+                # logits of rank 3 and 4 (the class dim vocab-sharded) through loss_parallel's nll_loss2d
+                + [f"logits={layout} parallel=True" for layout in ("ncd", "nchw")]
                 # under loss_parallel, through an entry point torch 2.13 trains exactly (issue 42)
                 + [f"edge {name} through fully_shard of {m}" for name in EDGES for m in LOSS_MODELS])
     assert all(found[v] for v in expected), [v for v in expected if not found[v]]
