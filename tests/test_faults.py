@@ -83,7 +83,6 @@ UNCATALOGUED = {
     ("entry_points_train_like_one_device", "check:gradient-present-where-the-oracle-has-one"):
         "FSDP1's own (plain FSDP1 alike): the unused model's spare branch gets a zero gradient, not none",
     ("large_dp_trains_like_one_device", "check:gradient-present-where-the-oracle-has-one"): "not yet shrunk",
-    ("losses_train_like_one_device", "value:gradient"): "not yet shrunk: llama_lm in bfloat16 under transform_ddp",
     ("trains_like_plain_ddp", "value:gradient"): "not yet shrunk: llama_lm in bfloat16 under transform_ddp",
 }
 

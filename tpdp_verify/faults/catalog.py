@@ -1157,4 +1157,35 @@ harness) puts rows in the wrong place.""",
     ),
     repro='f27_fsdp2_uneven_tp_local_shard_layout.py',
 ),
+Fault(
+    number=28,
+    name='loss_parallel over (N, C, H, W) logits',
+    title='Under `loss_parallel`, cross entropy over (N, C, H, W) logits gives a wrong gradient or raises',
+    what="""`loss_parallel()`'s backward of `nll_loss2d` (`_nll_loss_and_log_softmax_backward`, the branch
+for logits of more than two dims) lays the gradient out by `grad_input.transpose(1, -1)`, as
+(N, W, H, C), and puts each position's -1 at the row of the target flattened in (N, H, W)
+order: with H and W both above 1 the -1s land on the wrong positions. It also returns that
+transposed local tensor in a DTensor whose spec declares contiguous strides. Logits that are a
+leaf get a wrong gradient, silently (reduction sum, mean or none, with class weights or not);
+logits made by a view, as a head's `[tokens, vocab]` output laid out `(1, vocab, H, W)` by
+`transpose` and `unflatten`, raise `view size is not compatible with input tensor's size and
+stride` in the view's backward. The loss itself is right; (N, C, D) logits, which ATen takes
+as (N, C, 1, D), are right too.""",
+    consequence="""a per-pixel classifier (segmentation) trained with a vocab-sharded head under
+  `loss_parallel()` gets wrong gradients, or its backward raises.""",
+    workaround="""flatten the spatial dims before the loss: `F.cross_entropy(logits.flatten(2), target.flatten(1))`
+  takes the (N, C, D) path, whose gradients match one device's (the reproduction checks it).""",
+    fix="flatten the spatial dims before the loss: cross_entropy(logits.flatten(2), target.flatten(1))",
+    entry_points=(),
+    apis=('torch.distributed.tensor.parallel.loss_parallel', 'torch.nn.functional.cross_entropy'),
+    source=('torch.distributed.tensor.parallel.loss:_nll_loss_and_log_softmax_backward',
+            'torch.distributed.tensor.parallel.loss:_nll_loss_backward_handler'),
+    shows=(
+        # the logits' (1, vocab, H, W) view: its backward meets the handler's transposed gradient
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward",),
+              ("losses_train_like_one_device",),
+              (("loss.parallel", True), ("loss.logits", ("nchw",)))),
+    ),
+    repro='f28_loss_parallel_nchw_logits_backward.py',
+),
 )
