@@ -27,6 +27,7 @@ from tpdp_verify.cases.training import (
     FSDP2_ENTRIES,
     HALF,
     IGNORED,
+    NORM_TYPES,
     OPTIMIZERS,
     TRAIN_DTYPES,
     DDPOptions,
@@ -304,10 +305,13 @@ def every_model(strategies: dict) -> list[dict]:
 
 def every_clip(strategies: dict) -> list[dict]:
     """Every model's simplest case, then MLP's through DDP and each FSDP2 entry point
-    clipping each way this torch has: the drawn cases clip through FSDP2 a few times."""
+    clipping each way this torch has, by each norm (NORM_TYPES): the drawn cases clip
+    through FSDP2 a few times, and always by the 2-norm (a drawn norm would move the fixed
+    draws the shipped memo answers)."""
     through = every_entry(strategies, ("ddp_mesh", *FSDP2_ENTRIES))
-    return every_model(strategies) + [{"case": dataclasses.replace(c, habits=Habits(clip=CLIPS[1], clip_by=way))}
-                                      for c in through for way in clip_ways()]
+    return every_model(strategies) + [
+        {"case": dataclasses.replace(c, habits=Habits(clip=CLIPS[1], clip_by=way, norm_type=p))}
+        for c in through for way in clip_ways() for p in NORM_TYPES]
 
 
 def every_reduction(strategies: dict) -> list[dict]:

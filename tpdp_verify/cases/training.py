@@ -87,7 +87,10 @@ HALF = ("bfloat16", "float16")  # the compute dtypes a mixed-precision option dr
 
 
 def _shown(obj, late: tuple[str, ...], default) -> list[str]:
-    return [f.name for f in fields(obj) if f.repr] + [n for n in late if getattr(obj, n) != default]
+    """The fields a repr shows: every one but the ``late`` at their ``default`` (one value
+    for all, or a dict of each one's)."""
+    defaults = default if isinstance(default, dict) else dict.fromkeys(late, default)
+    return [f.name for f in fields(obj) if f.repr] + [n for n in late if getattr(obj, n) != defaults[n]]
 
 
 def _repr(obj, late: tuple[str, ...], default) -> str:
@@ -215,6 +218,9 @@ class FSDP1Options:
 # How a user clips by the total gradient norm: in one call, or as torchtitan does, the norm
 # first (get_total_norm, its full_tensor() where a DTensor), then clip_grads_with_norm_.
 CLIP_BY = ("clip_grad_norm_", "get_total_norm")
+# The norm clipping takes (norm_type): the 2-norm, the max norm, the 1-norm. Each is a
+# reduction of its own over a DTensor's shards (max for inf, sums of |g|^p else).
+NORM_TYPES = (2.0, float("inf"), 1.0)
 
 
 @dataclass(frozen=True)
@@ -231,9 +237,10 @@ class Habits:
     # "trained" with its gradients averaged over dp by the user, after the last backward
     ignored: str = ""
     clip_by: str = field(default=CLIP_BY[0], repr=False)  # one of CLIP_BY (in repr where not the first)
+    norm_type: float = field(default=NORM_TYPES[0], repr=False)  # one of NORM_TYPES (in repr where not 2)
 
     def __repr__(self) -> str:
-        return _repr(self, late=("clip_by",), default=CLIP_BY[0])
+        return _repr(self, late=("clip_by", "norm_type"), default={"clip_by": CLIP_BY[0], "norm_type": NORM_TYPES[0]})
 
 
 # Losses over a vocabulary head's logits, as users write them (tpdp_verify.fixtures.losses):

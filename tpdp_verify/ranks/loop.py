@@ -353,16 +353,17 @@ READINGS = (".item()", "full_tensor()")
 
 def clip(run: Run, habits) -> dict[str, float]:
     """Clipping over the model's parameters as users write it after wrapping (FSDP1's own
-    method where the wrapper has one; else ``habits.clip_by``); the total norm it saw, as
-    each of READINGS gives it."""
+    method where the wrapper has one; else ``habits.clip_by``), by ``habits.norm_type``'s
+    norm; the total norm it saw, as each of READINGS gives it."""
+    p = habits.norm_type
     if hasattr(run.model, "clip_grad_norm_"):
-        norm = run.model.clip_grad_norm_(habits.clip)
+        norm = run.model.clip_grad_norm_(habits.clip, norm_type=p)
     elif habits.clip_by == "get_total_norm":  # torchtitan's dist_utils.clip_grad_norm_
         params = list(run.model.parameters())
-        norm = whole(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        norm = whole(torch.nn.utils.get_total_norm([g.grad for g in params if g.grad is not None], norm_type=p))
         torch.nn.utils.clip_grads_with_norm_(params, habits.clip, norm)
     else:
-        norm = torch.nn.utils.clip_grad_norm_(list(run.model.parameters()), habits.clip)
+        norm = torch.nn.utils.clip_grad_norm_(list(run.model.parameters()), habits.clip, norm_type=p)
     return dict(zip(READINGS, (norm.item(), whole(norm).item())))
 
 
