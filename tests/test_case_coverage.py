@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, IGNORED, MISWIRINGS, ddp_keywords
+from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, IGNORED, MISWIRINGS, NORM_TYPES, ddp_keywords
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
 from tpdp_verify.properties.checkpoint import (
     checkpoint_resumes,
@@ -64,7 +64,9 @@ def counts() -> Counter:
                             f"habits.set_to_none={habits.set_to_none}", f"habits.ignored={habits.ignored}",
                             f"habits.checkpoint={habits.checkpoint} under {'ddp' if c.entry in DDP else c.entry}"])
                 if habits.clip is not None and c.entry != "fsdp1":  # FSDP1 clips by its own method
-                    out.update([f"habits.clip_by={habits.clip_by} under {'ddp' if c.entry in DDP else c.entry}"])
+                    under = 'ddp' if c.entry in DDP else c.entry
+                    out.update([f"habits.clip_by={habits.clip_by} under {under}",
+                                f"habits.norm_type={habits.norm_type} by {habits.clip_by} under {under}"])
                 if c.entry in DDP:
                     out.update([f"ddp.init_sync={ddp.init_sync}", f"ddp.comm_hook={ddp.comm_hook}",
                                 f"ddp.skip_all_reduce_unused_params={ddp.skip_all_reduce_unused_params}",
@@ -95,6 +97,8 @@ EXPECTED = (
     + [f"tp sums under {e}'s policy, accumulate={a}" for e in FSDP2 for a in (1, 2)]
     + [f"habits.clip={v}" for v in CLIPS]
     + [f"habits.clip_by={v} under {e}" for v in clip_ways() for e in ("ddp", *FSDP2)]
+    # each norm each way, through DDP and FSDP2 (the cover cases: a drawn case clips by the 2-norm)
+    + [f"habits.norm_type={p} by {v} under {e}" for p in NORM_TYPES for v in clip_ways() for e in ("ddp", *FSDP2)]
     + [f"habits.between={v}" for v in BETWEEN]
     + [f"habits.set_to_none={v}" for v in (True, False)]
     + [f"habits.ignored={v}" for v in ("", *IGNORED)]

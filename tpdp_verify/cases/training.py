@@ -218,9 +218,10 @@ class FSDP1Options:
 # How a user clips by the total gradient norm: in one call, or as torchtitan does, the norm
 # first (get_total_norm, its full_tensor() where a DTensor), then clip_grads_with_norm_.
 CLIP_BY = ("clip_grad_norm_", "get_total_norm")
-# The norm clipping takes (norm_type): the 2-norm, the max norm, the 1-norm. Each is a
-# reduction of its own over a DTensor's shards (max for inf, sums of |g|^p else).
-NORM_TYPES = (2.0, float("inf"), 1.0)
+# The norm clipping takes (norm_type, as float() reads it: a case's repr must evaluate, and
+# inf's does not): the 2-norm, the max norm, the 1-norm. Each is a reduction of its own over
+# a DTensor's shards (max for inf, sums of |g|^p else).
+NORM_TYPES = ("2", "inf", "1")
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ class Habits:
     # "trained" with its gradients averaged over dp by the user, after the last backward
     ignored: str = ""
     clip_by: str = field(default=CLIP_BY[0], repr=False)  # one of CLIP_BY (in repr where not the first)
-    norm_type: float = field(default=NORM_TYPES[0], repr=False)  # one of NORM_TYPES (in repr where not 2)
+    norm_type: str = field(default=NORM_TYPES[0], repr=False)  # one of NORM_TYPES (in repr where not 2)
 
     def __repr__(self) -> str:
         return _repr(self, late=("clip_by", "norm_type"), default={"clip_by": CLIP_BY[0], "norm_type": NORM_TYPES[0]})

@@ -1188,4 +1188,38 @@ as (N, C, 1, D), are right too.""",
     ),
     repro='f28_loss_parallel_nchw_logits_backward.py',
 ),
+Fault(
+    number=29,
+    name='max-norm clipping with an empty FSDP2 shard',
+    title='`clip_grad_norm_(norm_type=inf)` raises on a rank whose FSDP2 shard is empty, and the others wait',
+    what="""`fully_shard` splits a parameter's dim 0 as `torch.chunk` does, so a dim smaller than the dp
+degree leaves the last dp ranks an empty shard. For the inf (and -inf) norm, DTensor computes
+each local shard's norm and marks it `Partial("max")` (`_get_norm_reduction_op`): on an empty
+shard the local `aten._foreach_norm` (`linalg.vector_norm` with `foreach=False`) raises
+`cannot compute the infinity norm on an empty tensor`, in `_get_total_norm`, while the ranks
+holding data go on into `_clip_grads_with_norm_`'s all-reduce and wait: a hang in a user's
+job. The 2-norm and the 1-norm are right (`_NormPartial` gives an empty shard 0). Neither TP
+nor FSDP is needed: any DTensor with an empty `Shard` raises so.""",
+    consequence="""a model with a parameter dim smaller than the dp degree (a bias of 1, a tiny head)
+  cannot clip by the max norm under FSDP2: one rank raises, the others hang.""",
+    workaround="""take the max of `p.grad.to_local().abs().max()` over the non-empty local shards (from 0),
+  `all_reduce` it with `MAX`, then `torch.nn.utils.clip_grads_with_norm_`; or keep each
+  FSDP-sharded dim 0 a multiple of the dp degree.""",
+    fix="all_reduce(MAX) the max |grad| of the non-empty local shards, then clip_grads_with_norm_",
+    entry_points=('fully_shard', 'replicate_fsdp'),
+    apis=('torch.nn.utils.clip_grad_norm_(norm_type=inf)', 'torch.nn.utils.get_total_norm',
+          "fully_shard(mesh=mesh['dp'])"),
+    source=('torch.distributed.tensor._ops._math_ops:_get_norm_reduction_op',
+            'torch.distributed.tensor._ops._math_ops:foreach_norm_strategy',
+            'torch.distributed.tensor._ops._math_ops:vector_norm_strategy'),
+    shows=(
+        # the local max of an empty shard, in either way of clipping (the entry points' cover cases)
+        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:clip_grad_norm_",
+               "raised:RuntimeError at torch/nn/utils/clip_grad.py:_get_total_norm"),
+              ("*train*",),
+              (("entry", ("fully_shard", "replicate_fsdp")), ("habits.norm_type", ("inf",)))),
+    ),
+    repro='f29_fsdp2_inf_norm_empty_shard.py',
+    upstream=('https://github.com/pytorch/pytorch/pull/173238',),
+),
 )

@@ -355,7 +355,7 @@ def clip(run: Run, habits) -> dict[str, float]:
     """Clipping over the model's parameters as users write it after wrapping (FSDP1's own
     method where the wrapper has one; else ``habits.clip_by``), by ``habits.norm_type``'s
     norm; the total norm it saw, as each of READINGS gives it."""
-    p = habits.norm_type
+    p = float(habits.norm_type)
     if hasattr(run.model, "clip_grad_norm_"):
         norm = run.model.clip_grad_norm_(habits.clip, norm_type=p)
     elif habits.clip_by == "get_total_norm":  # torchtitan's dist_utils.clip_grad_norm_
