@@ -59,9 +59,8 @@ EDGES = {
 def every_loss(strategies: dict) -> list[dict]:
     """Each model's simplest case with every kind of loss, under loss_parallel and not, and
     with cross entropy's logits of rank 3 and 4 under it: 40 drawn cases can miss a kind on
-    one side. Then each edge under loss_parallel through
-    FSDP2, where torch 2.13 trains exactly: a regression there is not hidden by a fault of
-    the entry point (the simplest cases' DDP loses its registry)."""
+    one side. Then each edge under loss_parallel through FSDP2, where torch 2.13 trains
+    exactly: a regression there is not hidden by a fault of the entry point."""
     simplest = [covered["case"] for covered in every_model(strategies)]
     kinds = [{"case": dataclasses.replace(c, loss=Loss(kind=kind, parallel=parallel))}
              for c in simplest for kind in LOSS_KINDS for parallel in (True, False)]

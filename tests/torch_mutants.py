@@ -343,7 +343,7 @@ class FlattenRefusesViews(TorchReference):
 
 
 TORCH_MUTANTS = [SyncGradHookScales, UnflattenDropsShapeAndStride, ReconstructSkipsLast,
-                 LocalizeForgetsIgnored, UpdateSkipsDelattr]
+                 LocalizeForgetsIgnored, UpdateSkipsDelattr, UpdateSkipsSetattr, LocalizeKeepsPlainTensors]
 
 
 # -- FSDP1's TP extension (DTensorExtensions) ------------------------------------------
