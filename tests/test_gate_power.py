@@ -29,10 +29,13 @@ from tpdp_verify.runner.gate import judged_search
 import torch_mutants
 
 
-def judged(prop, pool, mutant):
+def judged(prop, pool, mutant, drawn: int | None = None):
     """The mutant's search at ci (unshrunk: the search's power, not shrinking's), judged by
-    torch 2.13.0 on each failure's own case."""
-    profile = dataclasses.replace(profiles.get("ci"), shrink=False)
+    torch 2.13.0 on each failure's own case; the memo's other failing cases are not rerun
+    (that is how FIXED is found: tests/test_baseline.py). ``drawn``: fewer drawn cases than
+    ci's, where the property's cover cases (run whatever the profile) must catch the mutant."""
+    ci = profiles.get("ci")
+    profile = dataclasses.replace(ci, shrink=False, rerun_total=0.0, max_examples=drawn or ci.max_examples)
     release = Baseline("2.13.0", install=False)
     assert not release.is_candidate(f"torch_mutants.{mutant.__name__}")  # judged by replay, not by itself
     try:
@@ -45,6 +48,10 @@ def new(outcome, part=None):
     """The findings that block, with ``part``: NEW where 2.13.0 passes the case, CHANGED where
     it fails it otherwise (a different error, other checks)."""
     return [f for f in outcome.findings if f.status in ("NEW", "CHANGED") and (part is None or part in f.signature)]
+
+
+# the mutants whose cases the cover phase reaches (properties/losses.py EDGES): one drawn case
+BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1}
 
 
 @pytest.mark.timeout(600)
@@ -76,7 +83,7 @@ def new(outcome, part=None):
      "check:tp-sums-gradients-accumulated-over-microbatches-in-the-reduce-dtype"),
 ], ids=lambda v: getattr(v, "__name__", getattr(v, "name", v)))
 def test_a_regression_in_torch_is_new_against_the_release(tpdp_pools, mutant, prop, part):
-    outcome = judged(prop, tpdp_pools.get(2), mutant)
+    outcome = judged(prop, tpdp_pools.get(2), mutant, drawn=BY_COVER.get(mutant))
     assert outcome.status == "diverges" and new(outcome, part), outcome.findings
     assert all(f.replay for f in new(outcome))
 
@@ -107,7 +114,7 @@ def test_gradients_one_percent_too_large_after_a_load_are_new(tpdp_pools):
     through the transform on torch 2.13), which the cover cases reach at dp x tp whatever
     the draw. DP alone resumes within an ulp at world size 4, which excuses only a departure
     no larger (issue 29)."""
-    outcome = judged(checkpoint_resumes, tpdp_pools.get(4), torch_mutants.LoadedGradScales)
+    outcome = judged(checkpoint_resumes, tpdp_pools.get(4), torch_mutants.LoadedGradScales, drawn=1)
     found = new(outcome)
     assert found and all(f.drawn["case"].entry == "fsdp1" for f in found), outcome.findings
     assert all(any("the-resumed" in p for p in f.signature) for f in found)
