@@ -97,6 +97,21 @@ def test_the_terminal_says_what_matters_in_a_screen_and_names_the_full_report(to
     assert "-- replay (save as a file and run it with python):" in full and "not searched: " in full
 
 
+def test_the_readmes_sample_of_make_demo_is_what_the_gate_prints(torch_gate):
+    """Each line the README shows of `make demo`'s gate (up to the demo's own "next:" lines,
+    but the elided and the cache path) is a line of a smoke gate's output, numbers aside."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    sample = readme.split("The demo still succeeds, because finding\ndivergences is its job:\n\n```\n", 1)[1]
+    sample = sample.split("\nnext:", 1)[0].splitlines()
+    shown = [line for line in sample if line.strip() not in ("", "...") and "~/" not in line]
+
+    def numbers_aside(line: str) -> str:
+        return re.sub(r"\d+(\.\d+)?", "#", line)
+
+    printed = {numbers_aside(line) for line in torch_gate[0].stdout.splitlines()}
+    assert len(shown) >= 8 and [x for x in shown if numbers_aside(x) not in printed] == []
+
+
 @pytest.mark.timeout(900)
 def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_same_way(
         torch_gate, passes, tmp_path):
