@@ -3,11 +3,12 @@ answer on the same case is compared (tpdp_verify.runner.baseline).
 
 A verdict's signature is the set of everything that failed in it, not only the first
 thing: each failed check by its identifier (``check:parameters-stay-registered-in-order``),
-the kind of value that departs first (``value:gradient``), an exception by its type and
-the API of the code under test that the harness called
-(``raised:RuntimeError at torch/nn/parallel/distributed.py:__init__``; the innermost frame,
-which moves when torch refactors, is a detail of the report), a rank that
-died by its signal (``crash:SIGABRT``), ranks that hung (``hang``).
+the kind of value that departs first (``value:gradient``), an exception by its type, the
+API of the code under test that the harness called and its message with what varies by
+case left out (``raised:RuntimeError at torch/_tensor.py:backward: _chunk_cat expects
+non-empty tensor``: two faults that raise under one API are two failures; the innermost
+frame, which moves when torch refactors, is a detail of the report), a rank that died by
+its signal (``crash:SIGABRT``), ranks that hung (``hang``).
 
 Parts name no rank, no step, no parameter and no number, and a check's identifier is its
 name, never its message (the ``detail``, which says what was seen and may be reworded):
@@ -152,12 +153,45 @@ def _entered(frames: list[tuple[str, str]]) -> tuple[str, str] | None:
     return (named or run or [None])[0]
 
 
-def _pick(frames: list[tuple[str, str]], type_name: str) -> str:
-    """``raised:<type> at <file>:<function>``, the frame where the code under test was entered."""
+def _pick(frames: list[tuple[str, str]], type_name: str, said: str = "") -> str:
+    """``raised:<type> at <file>:<function>: <message>``: the frame where the code under test
+    was entered, and what the exception said (``message``)."""
     entered = _entered(frames)
-    if entered is None:
-        return f"raised:{type_name}"
-    return f"raised:{type_name} at {short(entered[0])}:{entered[1]}"
+    api = f"raised:{type_name}" + (f" at {short(entered[0])}:{entered[1]}" if entered is not None else "")
+    said = message(said)
+    return f"{api}: {said}" if said else api
+
+
+# What varies by case and run in a message, each replaced by a placeholder: paths (a file
+# of torch's C++ sources, a checkpoint's folder), quoted names (a parameter's, a key's),
+# hexadecimal addresses, then numbers (sizes, shapes, ranks, ports), a run of them one.
+_VARYING = [
+    (re.compile(r"""(?<![\w'"])(?:[\w.~-]*/)+[\w.-]*(?::\d+)?"""), "<path>"),
+    (re.compile(r"'[^']*'|\"[^\"]*\"|`[^`]*`"), "<name>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b|\b\d+(?:x\d+)+\b"), "<n>"),  # an address; a shape as 8x12
+    (re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)*(?:e[-+]?\d+)?(?![\w])"), "<n>"),
+    (re.compile(r"<n>(?:\s*(?:,|x|\.|:)\s*<n>)+"), "<n>"),
+    (re.compile(r"<name>(?:,\s*<name>)+"), "<name>"),
+]
+MESSAGE_CHARS = 160
+
+
+def message(text: str) -> str:
+    """An exception's message as part of its identity: its first line (and the next, where
+    the first only announces it: "Error(s) in loading state_dict for Linear:"), stripped of
+    what varies by case and run (_VARYING), at most MESSAGE_CHARS characters. The same fault
+    says the same on every case and on either release; another fault under the same API says
+    something else ("_chunk_cat expects non-empty tensor", "index <n> is out of bounds")."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    first = " ".join(lines[:2] if len(lines) > 1 and lines[0].endswith(":") else lines[:1])
+    for pattern, placeholder in _VARYING:
+        first = pattern.sub(placeholder, first)
+    return first[:MESSAGE_CHARS].rstrip()
+
+
+def api(part: str) -> str:
+    """A raised part without its message: ``raised:<type> at <file>:<function>``."""
+    return part.split(": ", 1)[0] if part.startswith("raised:") else part
 
 
 def _frames(exc: BaseException) -> list[tuple[str, str]]:
@@ -173,7 +207,7 @@ def _frames(exc: BaseException) -> list[tuple[str, str]]:
 
 def raised(exc: BaseException) -> str:
     """The part for an exception caught where it was raised (in a rank, or here)."""
-    return _pick(_frames(exc), type(exc).__name__)
+    return _pick(_frames(exc), type(exc).__name__, str(exc))
 
 
 def innermost(exc: BaseException) -> str:
@@ -240,8 +274,13 @@ _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)'
 
 
 def raised_from_text(tb: str) -> str:
-    """The same from a formatted traceback (what a rank's reply carries)."""
-    frames = [(m["file"], m["function"]) for m in _FRAME.finditer(tb)]
-    last = [ln for ln in tb.strip().splitlines() if ln and not ln.startswith(" ")]
-    type_name = last[-1].split(":")[0].rsplit(".", 1)[-1] if last else "Exception"
-    return _pick(frames, type_name)
+    """The same from a formatted traceback (what a rank's reply carries): its frames, and the
+    line after the last of them that names the exception (``RuntimeError: ...``)."""
+    matches = list(_FRAME.finditer(tb))
+    frames = [(m["file"], m["function"]) for m in matches]
+    after = (tb[matches[-1].end():] if matches else tb).splitlines()
+    at = next((i for i, ln in enumerate(after) if ln.strip() and not ln.startswith(" ")), None)
+    head = after[at] if at is not None else "Exception"
+    type_name, _, said = head.partition(": ") if ": " in head else (head.rstrip(":"), "", "")
+    rest = "\n".join(after[at + 1:]) if at is not None else ""
+    return _pick(frames, type_name.rsplit(".", 1)[-1].strip(), "\n".join(filter(None, [said, rest])))

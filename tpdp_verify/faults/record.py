@@ -8,12 +8,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpdp_verify import signature
+
 REPROS = Path(__file__).parent / "repros"
 
 
 @dataclass(frozen=True)
 class Shows:
-    """Where a fault shows: the signature parts it explains (fnmatch patterns), in the
+    """Where a fault shows: the signature parts it explains (fnmatch patterns; a raised
+    part's pattern without a message matches whatever the exception said), in the
     properties named, on the cases whose facts match ``where`` (fact -> the values it may
     take; ``True``: any value but an empty one, ``False``: an empty one)."""
 
@@ -22,7 +25,8 @@ class Shows:
     where: tuple[tuple[str, object], ...] = ()
 
     def explains(self, part: str, prop: str, facts: dict) -> bool:
-        return (any(fnmatch.fnmatchcase(part, p) for p in self.parts)
+        named = (part, signature.api(part))
+        return (any(fnmatch.fnmatchcase(n, p) for p in self.parts for n in named)
                 and any(fnmatch.fnmatchcase(prop, p) for p in self.properties)
                 and all(_holds(facts.get(name), want) for name, want in self.where))
 
