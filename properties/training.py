@@ -63,6 +63,8 @@ BUCKET_CAP_LISTS = (None, (1e-6, 1e-4), (1e-4, 1e-6))
 # clip_grad_norm_'s max_norm: below every drawn model's gradient norm (always clips) and
 # above it (computes the norm, leaves the gradients)
 CLIPS = (None, 1e-2, 1e3)
+# MLP's size where fully_shard fills every rank's shard of every parameter, up to 8 dp ranks
+CLIP_SIZE = Size(dim=8, hidden=16)
 
 
 def meshes(world_size: int) -> list[tuple[int, int]]:
@@ -307,8 +309,13 @@ def every_clip(strategies: dict) -> list[dict]:
     """Every model's simplest case, then MLP's through DDP and each FSDP2 entry point
     clipping each way this torch has, by each norm (NORM_TYPES): the drawn cases clip
     through FSDP2 a few times, and always by the 2-norm (a drawn norm would move the fixed
-    draws the shipped memo answers)."""
+    draws the shipped memo answers). Through fully_shard on a mesh of dp alone too, with
+    every rank's shard of every parameter filled (CLIP_SIZE; an empty one raises, fault
+    29): DTensor may gather a gradient sharded over a dp of 1 to take its norm whole, and
+    only shards over ranks make it reduce the shards' norms across them."""
     through = every_entry(strategies, ("ddp_mesh", *FSDP2_ENTRIES))
+    through += [dataclasses.replace(c, mesh_shape=(c.mesh_shape[0] * c.mesh_shape[1], 1), size=CLIP_SIZE)
+                for c in through if c.entry == "fully_shard"]
     return every_model(strategies) + [
         {"case": dataclasses.replace(c, habits=Habits(clip=CLIPS[1], clip_by=way, norm_type=p))}
         for c in through for way in clip_ways() for p in NORM_TYPES]
@@ -319,13 +326,15 @@ def every_reduction(strategies: dict) -> list[dict]:
     entry point under a mixed-precision policy, with a step's gradients and with gradients
     accumulated over two microbatches: TP sums its norms' partial gradients, in the
     policy's reduce_dtype by FSDP2's contract (tpdp_verify.judging.reductions), on two paths
-    through FSDP2."""
-    found = (_simplest(strategies["case"], m) for m in ("llama_sp", "llama_lm"))
+    through FSDP2. The same on a mesh of dp alone: FSDP2's own reduction over dp, in
+    reduce_dtype too, where a dp of 1 sums nothing."""
+    found = [c for c in (_simplest(strategies["case"], m) for m in ("llama_sp", "llama_lm")) if c is not None]
     policy = FSDP2Options(mixed_precision=HALF[0])
+    over_dp = [dataclasses.replace(c, mesh_shape=(c.mesh_shape[0] * c.mesh_shape[1], 1)) for c in found]
     return every_model(strategies) + [
         {"case": dataclasses.replace(c, entry=e, ddp=DDPOptions(), fsdp=policy, habits=Habits(), built="after_wrap",
                                      accumulate=a)}
-        for c in found if c is not None for e in FSDP2_ENTRIES for a in (1, 2)]
+        for c in found + over_dp for e in FSDP2_ENTRIES for a in (1, 2)]
 
 
 def sound_cases(world_size: int, half: bool = False) -> st.SearchStrategy[TrainCase]:

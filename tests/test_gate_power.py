@@ -51,7 +51,8 @@ def new(outcome, part=None):
 
 
 # the mutants whose cases the cover phase reaches (properties/losses.py EDGES): one drawn case
-BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1}
+BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1,
+            torch_mutants.MaxNormSummedOverShards: 1}
 
 
 @pytest.mark.timeout(600)
@@ -77,6 +78,9 @@ BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.Class
     # that shards every parameter over tp: the cover cases clip the MLP both ways, by 1e-2):
     # each rank clips by its own norm, so the clipped gradients depart first
     (torch_mutants.NormLeftPerRank, entry_points_train_like_one_device, "value:gradient"),
+    # the max norm's shards summed, not maxed, where torch 2.13 clips exactly by it: the
+    # cover cases clip by each norm through DDP and FSDP2 (issue 42)
+    (torch_mutants.MaxNormSummedOverShards, entry_points_train_like_one_device, "value:gradient"),
     # an accumulated gradient's TP sum in bfloat16, on the path torch 2.13 sums in float32
     # (beside fault 16, its step's gradients summed in bfloat16)
     (torch_mutants.AccumulatedGradReducedInParamDtype, trains_like_plain_ddp,

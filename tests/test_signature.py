@@ -99,3 +99,61 @@ def test_ranks_left_waiting_for_a_rank_that_raised_do_not_change_its_signature()
     some_waited = finding(RankFailed("raised on ranks 2, 3; ranks 0, 1 were still blocked", raised, {}, [0, 1]))
     assert type(all_raised).signature == type(some_waited).signature == (part,)
     assert "still blocked" in str(some_waited)
+
+
+def test_two_errors_under_one_api_are_two_parts_and_one_api():
+    """Two faults raising under the same torch API (FSDP2's reduce-scatter, loss_parallel's
+    gather, both inside ``backward``) are two failures to the judge (issue 42)."""
+    frames = [(HARNESS, "step"), (TORCH + "_tensor.py", "backward")]
+    chunk = signature._pick(frames, "RuntimeError", "_chunk_cat expects non-empty tensor")
+    gather = signature._pick(frames, "RuntimeError", "index -100 is out of bounds for dimension 1 with size 4")
+    assert chunk != gather
+    assert signature.api(chunk) == signature.api(gather) == "raised:RuntimeError at torch/_tensor.py:backward"
+    assert gather == "raised:RuntimeError at torch/_tensor.py:backward: index <n> is out of bounds for dimension <n> with size <n>"
+
+
+def test_a_message_keeps_the_fault_and_drops_what_varies_by_case_and_run():
+    """The same fault on two cases, or two runs, says the same: sizes, shapes, ranks, names,
+    paths and addresses left out; the words that tell one fault from another kept."""
+    m = signature.message
+    assert m("mat1 and mat2 shapes cannot be multiplied (8x12 and 6x12)") == \
+        m("mat1 and mat2 shapes cannot be multiplied (4x3 and 16x2)") == \
+        "mat1 and mat2 shapes cannot be multiplied (<n> and <n>)"
+    assert m("got [8, 16] but expected shape compatible with [8]") == "got [<n>] but expected shape compatible with [<n>]"
+    assert m("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:45678") == \
+        "[<path>] Connection closed by peer [<n>]:<n>"
+    assert m("Missing key(s) in state_dict: \"layers.0.w\", \"head.b\".") == m("Missing key(s) in state_dict: \"x\".")
+    assert m("object at 0x7f00aa12") == "object at <n>"
+    # an announcing first line takes the next along; a long message is cut; none is nothing
+    assert m("Error(s) in loading state_dict for Linear:\n\tsize mismatch for 'weight'") == \
+        "Error(s) in loading state_dict for Linear: size mismatch for <name>"
+    assert len(m("x " * 500)) <= signature.MESSAGE_CHARS
+    assert m("") == m("\n  \n") == ""
+    assert signature._pick([(HARNESS, "step")], "AssertionError", "") == "raised:AssertionError"
+
+
+def test_a_rank_s_traceback_text_gives_the_part_the_exception_gives():
+    """A rank's reply carries its traceback as text: the part read from it is the one the
+    exception itself gives, its message (the first lines of the last exception) included."""
+    import traceback
+
+    for make in (lambda: torch.nn.Linear(2, 2).load_state_dict({"weight": torch.ones(3, 3)}),
+                 lambda: torch.ones(2, 3) @ torch.ones(4, 5)):
+        try:
+            try:
+                make()
+            except RuntimeError as inner:
+                raise RuntimeError("while loading:\nsee above") from inner
+        except RuntimeError as exc:
+            assert signature.raised_from_text(traceback.format_exc()) == signature.raised(exc)
+            assert signature.raised(exc).endswith(": while loading: see above")
+
+
+def test_a_harness_error_whose_message_says_at_is_not_the_code_under_test():
+    """Only an API makes a raised part the code under test's: a message is never read for it."""
+    from tpdp_verify.errors import RankFailed
+    from tpdp_verify.runner.property import finding
+
+    tb = f'Traceback (most recent call last):\n  File "{HARNESS}", line 1, in step\n    x\nValueError: failed at step 2\n'
+    assert signature.raised_from_text(tb) == "raised:ValueError: failed at step <n>"
+    assert finding(RankFailed("raised on rank 0", {0: tb}, {}, [])) is None

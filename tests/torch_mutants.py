@@ -495,6 +495,40 @@ class ClassWeightsLeftOutOfTheBackward(TorchReference):
         return _replaced((loss, "_nll_loss_and_log_softmax_backward", unweighted))
 
 
+def _edited(function, old: str, new: str):
+    """``function`` compiled again from torch's source with ``old`` replaced by ``new`` (found
+    once), in its own module's globals: a one-line edit, as a commit would make it."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(function))
+    if source.count(old) != 1:
+        raise RuntimeError(f"{function.__qualname__}'s source has {source.count(old)} of {old!r}: torch moved on")
+    scope: dict = {}
+    exec(compile(source.replace(old, new), inspect.getsourcefile(function), "exec"), function.__globals__, scope)
+    return scope[function.__name__]
+
+
+class WeightsGatheredByTheFlatTarget(TorchReference):
+    """A fix of fault 24 as a hurried commit would make it: loss_parallel's fused backward
+    (``_nll_loss_and_log_softmax_backward``) gathers the class weights by ``safe_target``,
+    the ignored targets masked, but that one was squeezed and flattened for the scatter
+    above: the gather raises ``Index tensor must have the same number of dimensions``. In
+    ``backward``, as 2.13's own fault 24 raises on cases with ignored targets too: there the
+    error differs (CHANGED); with class weights alone, where 2.13 is exact, it is NEW."""
+
+    caught_by = frozenset({"losses_train_like_one_device"})
+    departs_as = frozenset({"RaisesRuntimeError"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor.parallel import loss
+
+        backward = _edited(loss._nll_loss_and_log_softmax_backward, "torch.gather(w, channel_dim, target)",
+                           "torch.gather(w, channel_dim, safe_target)")
+        return _replaced((loss, "_nll_loss_and_log_softmax_backward", backward))
+
+
 class NormLeftPerRank(TorchReference):
     """The total gradient norm over DTensor gradients computed from each rank's local
     shards, never reduced: what ``clip_grad_norm_`` and ``get_total_norm``
@@ -515,6 +549,43 @@ class NormLeftPerRank(TorchReference):
             return total_norm([t.to_local() if isinstance(t, DTensor) else t for t in tensors], *args, **kwargs)
 
         return _replaced((clip_grad, "_get_total_norm", per_rank), (torch.nn.utils, "get_total_norm", per_rank))
+
+
+@contextlib.contextmanager
+def _strategy_replaced(*sites):
+    """``_replaced`` for DTensor's sharding strategies: its propagation caches (Python's and
+    the C++ fast path's) emptied on the way in and out, so neither torch's strategies reach
+    the mutant's run nor the mutant's a later run of torch's on the same ranks."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    try:
+        with _replaced(*sites):
+            yield
+    finally:
+        _clear_sharding_prop_cache()
+
+
+class MaxNormSummedOverShards(TorchReference):
+    """DTensor reduces the shards' max norms by a sum, not a max: ``_get_norm_reduction_op``
+    (torch/distributed/tensor/_ops/_math_ops.py) sends ``inf`` down the p-norm branch, as an
+    edit that merged the two would. The 2-norm and the 1-norm stay right; the max norm of a
+    gradient sharded over tp or dp grows by the other shards' maxima, so clipping by it
+    clips too hard (issue 42)."""
+
+    caught_by = frozenset({"entry_points_train_like_one_device"})
+    departs_as = frozenset({"GradientNormBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor._ops import _math_ops
+
+        by_norm = _math_ops._get_norm_reduction_op
+
+        def summed(norm_type):
+            return _math_ops.NormReduction(1) if norm_type in (float("inf"), "inf") else by_norm(norm_type)
+
+        return _strategy_replaced((_math_ops, "_get_norm_reduction_op", summed))
 
 
 class AccumulatedGradReducedInParamDtype(TorchReference):
@@ -540,6 +611,33 @@ class AccumulatedGradReducedInParamDtype(TorchReference):
             return inner(fsdp_param, grad)
 
         return _replaced((FSDPParam, "_get_grad_inner_tensor", lowered))
+
+
+class DPReducedInParamDtype(TorchReference):
+    """FSDP2 reduces gradients over dp in the gradients' own dtype, the policy's
+    ``reduce_dtype`` dropped on the way into ``foreach_reduce``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): under a bfloat16
+    ``param_dtype`` with a float32 ``reduce_dtype`` the reduce-scatter sums in bfloat16,
+    whose error a trained value's bfloat16 bound hides (issue 42)."""
+
+    caught_by = frozenset({"trains_like_plain_ddp"})
+    departs_as = frozenset({"DpSumsGradientsInTheReduceDtype"})
+
+    @staticmethod
+    def patched():
+        import inspect
+
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+        reduce = _fsdp_param_group.foreach_reduce
+        takes = inspect.signature(reduce)
+
+        def in_grad_dtype(*args, **kwargs):
+            given = takes.bind(*args, **kwargs)
+            given.arguments["reduce_dtype"] = None  # FSDP2 then reduces in the gradients' dtype
+            return reduce(*given.args, **given.kwargs)
+
+        return _replaced((_fsdp_param_group, "foreach_reduce", in_grad_dtype))
 
 
 class HSDPSkipsReplicateAllReduce(TorchReference):

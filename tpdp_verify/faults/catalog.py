@@ -1222,4 +1222,35 @@ nor FSDP is needed: any DTensor with an empty `Shard` raises so.""",
     repro='f29_fsdp2_inf_norm_empty_shard.py',
     upstream=('https://github.com/pytorch/pytorch/pull/173238',),
 ),
+Fault(
+    number=30,
+    name='the max norm read per rank',
+    title="`clip_grad_norm_(norm_type=inf)` over DTensor gradients returns a norm whose `.item()` is each rank's own",
+    what="""For the inf norm DTensor marks each shard's norm `Partial("max")` (`_get_norm_reduction_op`), and
+the max over the stacked norms that `_get_total_norm` takes next stays `Partial("max")`: with
+gradients sharded over ranks (FSDP2's dp shards), `clip_grad_norm_` and `get_total_norm`
+return a DTensor that was never reduced. The clipping is right (the clip coefficient's
+division reduces it), but `.item()`, as a user logs the norm or compares it with a
+threshold to skip a step, is the max over the rank's own shards: each rank reads another
+number, and only the rank holding the largest entry reads the total. The 2-norm and the
+1-norm come back `Replicate`. Neither TP nor FSDP is needed: any DTensor gradient sharded
+over ranks returns it so.""",
+    consequence="""a logged max norm differs by rank and is too small on most; a step skipped on it is
+  skipped on some ranks only, and their models part (or the next collective hangs).""",
+    workaround="""read the norm whole: `norm.full_tensor().item()` (torchtitan's `clip_grad_norm_` does), or
+  `redistribute` it to `Replicate()` before `.item()`.""",
+    fix="read the norm whole: norm.full_tensor().item()",
+    entry_points=('fully_shard',),
+    apis=('torch.nn.utils.clip_grad_norm_(norm_type=inf)', 'torch.nn.utils.get_total_norm(norm_type=inf)',
+          "fully_shard(mesh=mesh['dp'])"),
+    source=('torch.distributed.tensor._ops._math_ops:_get_norm_reduction_op',
+            'torch.nn.utils.clip_grad:_get_total_norm'),
+    shows=(
+        # the norm clip_grad_norm_ returns, read with .item() (the harness reads get_total_norm's
+        # whole, as torchtitan does); the cover cases clip MLP through fully_shard over dp alone
+        Shows(("value:gradient-norm",), ("*train*",),
+              (("entry", ("fully_shard",)), ("habits.norm_type", ("inf",)), ("habits.clip_by", ("clip_grad_norm_",)))),
+    ),
+    repro='f30_max_norm_read_per_rank.py',
+),
 )

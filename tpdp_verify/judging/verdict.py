@@ -15,7 +15,7 @@ import torch
 from tpdp_verify import signature
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.judging.divergence import divergence
-from tpdp_verify.judging.reductions import judge_reductions
+from tpdp_verify.judging.reductions import judge_dp_reductions, judge_reductions
 from tpdp_verify.judging.tolerance import Error, bound, error
 from tpdp_verify.ranks.loop import LR, Trace
 from tpdp_verify.ranks.observation import Check, Observation
@@ -189,7 +189,7 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
              [Check("every rank trains without an exception", True)]
     if errors != {""}:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks
-    checks += judge_reductions(case, traces)
+    checks += judge_reductions(case, traces) + judge_dp_reductions(case, traces)
     whole = Trace(trainable=traces[0].trainable, activations=traces[0].activations,
                   state_unobserved=traces[0].state_unobserved, registry=traces[0].registry, unread=traces[0].unread,
                   ignored=sorted({d for t in traces for d in t.ignored}),

@@ -76,6 +76,8 @@ class Trace(Observation):
     exercised: dict[str, list[str]] = field(default_factory=dict)
     # each gradient TP reduced under FSDP2, in order (tpdp_verify.ranks.reductions.Reduction)
     reductions: list = field(default_factory=list)
+    # each gradient FSDP2 reduced over dp, in order (tpdp_verify.ranks.reductions.DPReduction)
+    dp_reductions: list = field(default_factory=list)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""TP's reductions of gradients under FSDP2, watched where torch makes them.
+"""The reductions of gradients under FSDP2, watched where torch makes them: TP's partial
+sums, and DP's reduce-scatter.
 
 FSDP2 turns an unsharded parameter's gradient into the local tensor it reduce-scatters over
 dp in ``FSDPParam._get_grad_inner_tensor``. A gradient that is a partial sum over tp (a
@@ -7,6 +8,14 @@ there first. Seeing each rank's partial sum and the reduced result, judging can 
 which precision the reduction ran (tpdp_verify.judging.reductions), which the policy's
 ``reduce_dtype`` promises and no comparison of trained values can resolve under a
 half-precision ``param_dtype``.
+
+FSDP2 then reduces each unsharded gradient over dp in ``foreach_reduce`` (a reduce-scatter
+over the shard group, then an all-reduce over the replicate group under HSDP), in
+``reduce_dtype``. Seeing each rank's unsharded gradient, its shard of the result and the
+groups, judging knows the exact mean each shard should hold, and so again in which
+precision the reduction ran: a reduction in bfloat16 where float32 was asked errs by
+thousands of times what float32 allows, where a trained value's bound under a bfloat16
+``param_dtype`` hides it.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
+
+import contextlib
 
 from tpdp_verify.impls.fsdp2_sums import grad_step_replaced
 from tpdp_verify.ranks import taps
@@ -50,3 +61,62 @@ def watching(seen: list[Reduction]):
         seen.append(Reduction(fsdp_param._param_fqn or "", partial, out.detach().clone()))
 
     return grad_step_replaced(lambda inner: taps.watching(inner, partial_of, record))
+
+
+class DPReduction(NamedTuple):
+    """One gradient FSDP2 reduced over dp on this rank."""
+
+    name: str  # the parameter's name from the root module
+    grad: torch.Tensor  # this rank's unsharded gradient (its tp shard, whole over dp), as FSDP2 took it
+    delta: torch.Tensor | None  # what the reduction added to this rank's shard of the gradient (None: no gradient)
+    shard_group: tuple[int, ...]  # the global ranks the reduce-scatter split rows over, in order
+    replicas: tuple[int, ...]  # the global ranks of the all-reduce over replicas (HSDP), else ()
+    divide_factor: float | None  # the gradient divide factor set on FSDP2, else None (the mean)
+
+
+def _ranks(group) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def watching_dp(seen: list[DPReduction]):
+    """Record in ``seen`` every gradient FSDP2's ``foreach_reduce`` reduces over dp and puts
+    into its shard, in order: those sharded on dim 0, as plain tensors, in a call that
+    completes the reduction (nothing on a torch whose FSDP2 has no such function)."""
+    import inspect
+
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(group_module, "foreach_reduce"):
+        return contextlib.nullcontext()
+    takes = inspect.signature(_fsdp_collectives.foreach_reduce)
+
+    def before(*args, **kwargs):
+        given = takes.bind(*args, **kwargs).arguments
+        if given.get("all_reduce_group") is not None and (not given.get("all_reduce_grads", True)
+                                                          or given.get("partial_reduce_output") is not None):
+            return given, []  # HSDP's microbatches: the shard sums several reductions, not judged
+        taken = [(p, g.detach().clone(), _local(p.sharded_param.grad))
+                 for p, g in zip(given["fsdp_params"], given["unsharded_grads"])
+                 if not isinstance(g, DTensor) and p.fsdp_placement.dim == 0]
+        return given, [(p, g, None if b is None else b.detach().clone()) for p, g, b in taken]
+
+    def after(noted):
+        given, taken = noted
+        shards = _ranks(given["reduce_scatter_group"])
+        replicas = _ranks(given["all_reduce_group"]) if given.get("all_reduce_group") is not None else ()
+        for p, grad, b in taken:
+            now = p.sharded_param.grad
+            delta = None if now is None else _local(now).detach().clone() if b is None else _local(now).detach() - b
+            seen.append(DPReduction(p._param_fqn or "", grad, delta, shards, replicas,
+                                    given.get("gradient_divide_factor")))
+
+    return taps.replaced(group_module, "foreach_reduce", lambda reduce: taps.around(reduce, before, after))

@@ -1,12 +1,15 @@
 """Taps: tpdp-verify's functions that run inside torch's own calls, to note what passes.
 
 A tap wraps a function torch calls (a ``loss_parallel`` handler, FSDP2's step that hands
-TP's partial gradients to its reduction) and calls it unchanged. An exception raised
-beneath one is torch's: tpdp_verify.signature reads this file's frames as the call's own
-(as it does contextlib's), so a tap never moves a fault's signature.
+TP's partial gradients to its reduction, FSDP2's reduction over dp) and calls it
+unchanged. An exception raised beneath one is torch's: tpdp_verify.signature reads this
+file's frames as the call's own (as it does contextlib's), so a tap never moves a fault's
+signature.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 
 def noting(op, handler, seen: set[str]):
@@ -31,3 +34,27 @@ def watching(inner, partial_of, record):
         return out
 
     return watched
+
+
+def around(inner, before, after):
+    """``inner`` called unchanged, ``before(*args, **kwargs)`` first and ``after(what it
+    returned)`` once ``inner`` has returned."""
+
+    def tapped(*args, **kwargs):
+        noted = before(*args, **kwargs)
+        out = inner(*args, **kwargs)
+        after(noted)
+        return out
+
+    return tapped
+
+
+@contextlib.contextmanager
+def replaced(owner, name: str, wrap):
+    """``owner.name`` replaced by ``wrap(its value)`` for the run, put back after it."""
+    inner = getattr(owner, name)
+    setattr(owner, name, wrap(inner))
+    try:
+        yield
+    finally:
+        setattr(owner, name, inner)
