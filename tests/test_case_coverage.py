@@ -67,6 +67,8 @@ def counts() -> Counter:
                     under = 'ddp' if c.entry in DDP else c.entry
                     out.update([f"habits.clip_by={habits.clip_by} under {under}",
                                 f"habits.norm_type={habits.norm_type} by {habits.clip_by} under {under}"])
+                    if c.entry == "fully_shard" and c.dp > 1:  # each norm's shards reduced across dp ranks
+                        out.update([f"habits.norm_type={habits.norm_type} by {habits.clip_by} over dp shards"])
                 if c.entry in DDP:
                     out.update([f"ddp.init_sync={ddp.init_sync}", f"ddp.comm_hook={ddp.comm_hook}",
                                 f"ddp.skip_all_reduce_unused_params={ddp.skip_all_reduce_unused_params}",
@@ -77,6 +79,9 @@ def counts() -> Counter:
                 if c.entry in FSDP2 and fsdp.mixed_precision and c.model == "llama_sp" and c.tp > 1:
                     # TP sums the norms' partial gradients: reduce_dtype governs it (judging.reductions)
                     out.update([f"tp sums under {c.entry}'s policy, accumulate={min(c.accumulate, 2)}"])
+                if c.entry in FSDP2 and fsdp.mixed_precision and c.dp > 1:
+                    # FSDP2 reduces over dp in the policy's reduce_dtype (judging.reductions)
+                    out.update([f"dp sums under {c.entry}'s policy, accumulate={min(c.accumulate, 2)}"])
                 if c.entry == "fully_shard":
                     out.update([f"fsdp.reshard_after_forward={fsdp.reshard_after_forward}"])
     return out
@@ -95,10 +100,12 @@ EXPECTED = (
     + [f"fsdp.mixed_precision={v}" for v in (None, *HALF)]
     + [f"fsdp.reshard_after_forward={v}" for v in (True, False)]
     + [f"tp sums under {e}'s policy, accumulate={a}" for e in FSDP2 for a in (1, 2)]
+    + [f"dp sums under {e}'s policy, accumulate={a}" for e in FSDP2 for a in (1, 2)]
     + [f"habits.clip={v}" for v in CLIPS]
     + [f"habits.clip_by={v} under {e}" for v in clip_ways() for e in ("ddp", *FSDP2)]
     # each norm each way, through DDP and FSDP2 (the cover cases: a drawn case clips by the 2-norm)
     + [f"habits.norm_type={p} by {v} under {e}" for p in NORM_TYPES for v in clip_ways() for e in ("ddp", *FSDP2)]
+    + [f"habits.norm_type={p} by {v} over dp shards" for p in NORM_TYPES for v in clip_ways()]
     + [f"habits.between={v}" for v in BETWEEN]
     + [f"habits.set_to_none={v}" for v in (True, False)]
     + [f"habits.ignored={v}" for v in ("", *IGNORED)]

@@ -52,7 +52,7 @@ def new(outcome, part=None):
 
 # the mutants whose cases the cover phase reaches (properties/losses.py EDGES): one drawn case
 BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1,
-            torch_mutants.MaxNormSummedOverShards: 1}
+            torch_mutants.MaxNormSummedOverShards: 1, torch_mutants.DPReducedInParamDtype: 1}
 
 
 @pytest.mark.timeout(600)
@@ -79,8 +79,11 @@ BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.Class
     # each rank clips by its own norm, so the clipped gradients depart first
     (torch_mutants.NormLeftPerRank, entry_points_train_like_one_device, "value:gradient"),
     # the max norm's shards summed, not maxed, where torch 2.13 clips exactly by it: the
-    # cover cases clip by each norm through DDP and FSDP2 (issue 42)
+    # cover cases clip by each norm through fully_shard over dp alone (issue 42)
     (torch_mutants.MaxNormSummedOverShards, entry_points_train_like_one_device, "value:gradient"),
+    # FSDP2's reduce-scatter in bfloat16 where the policy asks float32: the cover cases
+    # reduce a step's gradients over dp alone under the policy (issue 42)
+    (torch_mutants.DPReducedInParamDtype, trains_like_plain_ddp, "check:dp-sums-gradients-in-the-reduce-dtype"),
     # an accumulated gradient's TP sum in bfloat16, on the path torch 2.13 sums in float32
     # (beside fault 16, its step's gradients summed in bfloat16)
     (torch_mutants.AccumulatedGradReducedInParamDtype, trains_like_plain_ddp,
@@ -153,3 +156,34 @@ def test_an_edit_that_unregisters_parameters_blocks_the_gate_as_its_finding(tmp_
     found = [f for p in record["properties"] for f in p["findings"] if f["status"] == "NEW"]
     assert {p["world_size"] for p in record["properties"] if any(f["status"] == "NEW" for f in p["findings"])} == {2, 4}
     assert all(f["replay"] for f in found) and record["counts"]["infra"] == 0, found
+
+
+@pytest.mark.timeout(300)
+def test_another_error_under_the_same_api_on_a_case_the_release_fails_is_changed(tpdp_pools):
+    """A hurried fix of fault 24 that gathers the class weights by the flattened target
+    raises in ``backward``, where 2.13 raises fault 24's own error on the same case: the
+    errors differ, so CHANGED; on the case with class weights alone, where 2.13 is exact,
+    NEW (issue 42)."""
+    from tpdp_verify import signature
+    from tpdp_verify.properties.losses import EDGES, every_loss
+    from tpdp_verify.runner.baseline import status
+    from tpdp_verify.runner.replay import run_case
+
+    pool, prop = tpdp_pools.get(2), losses_train_like_one_device
+    strategies = {k: s(2) if callable(s) else s for k, s in prop.strategies.items()}
+    weighted = next(c["case"] for c in every_loss(strategies) if c["case"].loss == EDGES["class weights, mean"])
+    padded = dataclasses.replace(weighted, loss=dataclasses.replace(weighted.loss, ignore_index=True))
+    impl, release = f"torch_mutants.{torch_mutants.WeightsGatheredByTheFlatTarget.__name__}", Baseline("2.13.0", install=False)
+    try:
+        judged_as = {}
+        for name, case in (("weighted", weighted), ("padded", padded)):
+            shown = run_case(prop, pool, impl, {"case": case})
+            answer = release.answer(prop, pool, impl, {"case": case}, shown)
+            judged_as[name] = (status(shown, answer), shown, answer)
+    finally:
+        release.close()
+    assert judged_as["weighted"][0] == "NEW" and judged_as["weighted"][2] == (), judged_as
+    said, shown, answer = judged_as["padded"]
+    assert said == "CHANGED", judged_as
+    assert [signature.api(p) for p in shown] == [signature.api(p) for p in answer], judged_as  # one API
+    assert "out of bounds" in answer[0] and "same number of dimensions" in shown[0], judged_as

@@ -1035,7 +1035,8 @@ under `loss_parallel` hangs the loss (fault 13).""",
             'torch.distributed.tensor._ops._embedding_ops:embedding_strategy'),
     shows=(
         # the empty vocab shard's lookup raises in the embedding's forward
-        Shows(("raised:RuntimeError at torch/nn/modules/sparse.py:forward",), ("*",), (("vocab_empty", True),)),
+        Shows(("raised:RuntimeError at torch/nn/modules/sparse.py:forward: index_select(): *",), ("*",),
+              (("vocab_empty", True),)),
     ),
     repro='f23_embedding_empty_vocab_shard.py',
 ),
@@ -1060,7 +1061,7 @@ weights, are right. The fix is to gather with `torch.where(target != ignore_inde
     source=('torch.distributed.tensor.parallel.loss:_nll_loss_and_log_softmax_backward',),
     shows=(
         # the backward's gather of the weights by an ignored target
-        Shows(("raised:RuntimeError at torch/_tensor.py:backward",),
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward: index <n> is out of bounds*",),
               ("losses_train_like_one_device",),
               (("loss.parallel", True), ("loss.ignore_index", True), ("loss.class_weights", True))),
     ),
@@ -1182,7 +1183,7 @@ as (N, C, 1, D), are right too.""",
             'torch.distributed.tensor.parallel.loss:_nll_loss_backward_handler'),
     shows=(
         # the logits' (1, vocab, H, W) view: its backward meets the handler's transposed gradient
-        Shows(("raised:RuntimeError at torch/_tensor.py:backward",),
+        Shows(("raised:RuntimeError at torch/_tensor.py:backward: view size is not compatible*",),
               ("losses_train_like_one_device",),
               (("loss.parallel", True), ("loss.logits", ("nchw",)))),
     ),
@@ -1214,8 +1215,8 @@ nor FSDP is needed: any DTensor with an empty `Shard` raises so.""",
             'torch.distributed.tensor._ops._math_ops:vector_norm_strategy'),
     shows=(
         # the local max of an empty shard, in either way of clipping (the entry points' cover cases)
-        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:clip_grad_norm_",
-               "raised:RuntimeError at torch/nn/utils/clip_grad.py:_get_total_norm"),
+        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:clip_grad_norm_: *infinity norm on an empty tensor*",
+               "raised:RuntimeError at torch/nn/utils/clip_grad.py:_get_total_norm: *infinity norm on an empty tensor*"),
               ("*train*",),
               (("entry", ("fully_shard", "replicate_fsdp")), ("habits.norm_type", ("inf",)))),
     ),
