@@ -311,8 +311,8 @@ def every_clip(strategies: dict) -> list[dict]:
     through FSDP2 a few times, and always by the 2-norm (a drawn norm would move the fixed
     draws the shipped memo answers). Through fully_shard on a mesh of dp alone too, with
     every rank's shard of every parameter filled (CLIP_SIZE; an empty one raises, fault
-    29): DTensor may gather a gradient sharded over a dp of 1 to take its norm whole, and
-    only shards over ranks make it reduce the shards' norms across them."""
+    29): on the (1, tp) mesh DTensor gathers a TP-sharded gradient whole to take its norm,
+    so only FSDP2's shards over dp ranks make it reduce the shards' norms across ranks."""
     through = every_entry(strategies, ("ddp_mesh", *FSDP2_ENTRIES))
     through += [dataclasses.replace(c, mesh_shape=(c.mesh_shape[0] * c.mesh_shape[1], 1), size=CLIP_SIZE)
                 for c in through if c.entry == "fully_shard"]

@@ -173,7 +173,8 @@ def test_another_error_under_the_same_api_on_a_case_the_release_fails_is_changed
     strategies = {k: s(2) if callable(s) else s for k, s in prop.strategies.items()}
     weighted = next(c["case"] for c in every_loss(strategies) if c["case"].loss == EDGES["class weights, mean"])
     padded = dataclasses.replace(weighted, loss=dataclasses.replace(weighted.loss, ignore_index=True))
-    impl, release = f"torch_mutants.{torch_mutants.WeightsGatheredByTheFlatTarget.__name__}", Baseline("2.13.0", install=False)
+    impl = f"torch_mutants.{torch_mutants.WeightsGatheredByTheFlatTarget.__name__}"
+    release = Baseline("2.13.0", install=False)
     try:
         judged_as = {}
         for name, case in (("weighted", weighted), ("padded", padded)):

@@ -157,3 +157,14 @@ def test_a_harness_error_whose_message_says_at_is_not_the_code_under_test():
     tb = f'Traceback (most recent call last):\n  File "{HARNESS}", line 1, in step\n    x\nValueError: failed at step 2\n'
     assert signature.raised_from_text(tb) == "raised:ValueError: failed at step <n>"
     assert finding(RankFailed("raised on rank 0", {0: tb}, {}, [])) is None
+
+
+def test_a_peers_closed_connection_beside_a_raise_is_its_echo():
+    """A rank waiting for the one that raised may meet gloo's closed connection, or be
+    stopped first: timing, so the echo is left out where the raise says why."""
+    raised = "raised:RuntimeError at torch/_tensor.py:backward: index <n> is out of bounds"
+    echo = "raised:RuntimeError at torch/_tensor.py:backward: [<path>] Connection closed by peer [<n>]:<n>"
+    assert signature.echoes_left_out([raised, echo]) == {raised}
+    assert signature.echoes_left_out([echo, "hang"]) == {"hang"}
+    assert signature.echoes_left_out([echo]) == {echo}  # alone, it is all that failed
+    assert signature.name(raised) == signature.name("raised:RuntimeError: boom") == "RaisesRuntimeError"

@@ -99,13 +99,15 @@ def test_reference_passes_the_fixed_cases(tpdp_pools):
 
 
 # -- the modules a regression leaves ----------------------------------------------------
-# torch's transform with one edit that unregisters the TP parameters (tests/torch_mutants.py):
-# the rank side then meets a module missing a parameter, or holding a plain tensor where a
-# Parameter was. Every property that trains or checkpoints through it, on a fixed case per
-# DDP-family entry point (the ignored module's averaging too), fails a check or is a finding
-# at the code under test; the harness never errs in its own code (issue 42).
+# torch's transform with one edit that unregisters the TP parameters or changes their shape
+# (tests/torch_mutants.py): the rank side then meets a module missing a parameter, holding a
+# plain tensor where a Parameter was, or a local shard of another shape. Every property that
+# trains or checkpoints through it, on a fixed case per DDP-family entry point (the ignored
+# module's averaging too), fails a check or is a finding at the code under test; the harness
+# never errs in its own code (issue 42).
 
-UNREGISTERING = [torch_mutants.UpdateSkipsSetattr, torch_mutants.LocalizeKeepsPlainTensors]
+MALFORMING = [torch_mutants.UpdateSkipsSetattr, torch_mutants.LocalizeKeepsPlainTensors,
+              torch_mutants.LocalizeFlattensTheShard]
 TRAINED = [TrainCase(model="mlp", mesh_shape=(1, 2), entry=entry) for entry in DDP_ENTRIES] + [
     TrainCase(model="tied", mesh_shape=(1, 2), entry="transform_ddp"),
     # the nested model keeps a trained plain parameter beside the ignored module, so DP wraps
@@ -129,8 +131,8 @@ THROUGH = [_through(trains_like_one_device), _through(trains_like_plain_ddp),
            _through(entry_points_state_dict_like_unsharded), *(_through(None, r) for r in checkpoint.ROUTES)]
 
 
-@pytest.mark.parametrize("mutant", UNREGISTERING, ids=lambda m: m.__name__)
-def test_a_regression_that_unregisters_parameters_is_a_finding_never_the_harnesss_error(tpdp_pools, mutant):
+@pytest.mark.parametrize("mutant", MALFORMING, ids=lambda m: m.__name__)
+def test_a_regression_that_unregisters_or_reshapes_parameters_is_a_finding_never_the_harnesss_error(tpdp_pools, mutant):
     found = 0
     for run in THROUGH:
         for case in TRAINED:

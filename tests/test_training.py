@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tpdp_verify import signature
 from tpdp_verify.cases.training import ENTRIES, Habits, TrainCase
 from tpdp_verify.fixtures import ZOO
 from tpdp_verify.judging.divergence import Divergence
@@ -217,5 +218,6 @@ def test_a_run_made_to_explain_a_failure_never_becomes_its_finding(tpdp_pools):
                      optimizer="adam", built="before_wrap", eval_first=True, steps=2, accumulate=2, local_batch=1,
                      seed=742, dtype="bfloat16")
     verdict = verdict_one_device(tpdp_pools.get(4), "torch", case)
-    assert verdict.signature == ("raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward",)
+    assert [signature.api(p) for p in verdict.signature] == \
+        ["raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"]
     assert verdict.plain_ddp.startswith("could not be run: rank") and "SIGABRT" in verdict.plain_ddp, verdict.plain_ddp

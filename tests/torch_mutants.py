@@ -310,6 +310,31 @@ class LocalizeKeepsPlainTensors(TorchReference):
         _ddp._update_module_param(param_list)
 
 
+class LocalizeFlattensTheShard(TorchReference):
+    """``_localize_dtensor`` registers each local shard flattened to one dim (as a refactor
+    toward flat parameters would): DP trains parameters of another shape than the ones the
+    module's forward and the TP spec expect, and ``_reconstruct_dtensor`` rebuilds DTensors
+    whose local shard has the wrong shape. A failed check or the code under test raising,
+    never an error of the harness's own (issue 42)."""
+
+    caught_by = frozenset({"registry_preserved", "trains_like_one_device"})
+    departs_as = frozenset({"RaisesRuntimeError"})
+
+    @staticmethod
+    def localize_dtensor(module: nn.Module, *_, ignored_params=None):
+        ignored_params = ignored_params or set()
+        param_list = []
+        for name, param in module.named_parameters():
+            if param in ignored_params:
+                continue
+            t, sharding_info = _ddp._flatten_tensor(param)
+            if sharding_info is not None:
+                t = nn.Parameter(t.flatten())
+                t._st_info = sharding_info
+                param_list.append((*_ddp._get_submodule_n_params(module, name), t))
+        _ddp._update_module_param(param_list)
+
+
 class FlattenReturnsTheFullTensor(TorchReference):
     """``_flatten_tensor`` returns the gathered global tensor in place of the local shard
     (``full_tensor()``, as a refactor that confused the two would): DP then buckets and
@@ -343,7 +368,8 @@ class FlattenRefusesViews(TorchReference):
 
 
 TORCH_MUTANTS = [SyncGradHookScales, UnflattenDropsShapeAndStride, ReconstructSkipsLast,
-                 LocalizeForgetsIgnored, UpdateSkipsDelattr, UpdateSkipsSetattr, LocalizeKeepsPlainTensors]
+                 LocalizeForgetsIgnored, UpdateSkipsDelattr, UpdateSkipsSetattr, LocalizeKeepsPlainTensors,
+                 LocalizeFlattensTheShard]
 
 
 # -- FSDP1's TP extension (DTensorExtensions) ------------------------------------------
@@ -570,11 +596,11 @@ class MaxNormSummedOverShards(TorchReference):
     """DTensor reduces the shards' max norms by a sum, not a max: ``_get_norm_reduction_op``
     (torch/distributed/tensor/_ops/_math_ops.py) sends ``inf`` down the p-norm branch, as an
     edit that merged the two would. The 2-norm and the 1-norm stay right; the max norm of a
-    gradient sharded over tp or dp grows by the other shards' maxima, so clipping by it
-    clips too hard (issue 42)."""
+    gradient whose shards DTensor reduces across ranks (FSDP2's over dp) grows by the other
+    shards' maxima, so clipping by it clips too hard (issue 42)."""
 
     caught_by = frozenset({"entry_points_train_like_one_device"})
-    departs_as = frozenset({"GradientNormBeyondItsBound"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
 
     @staticmethod
     def patched():

@@ -69,7 +69,7 @@ def name(part: str) -> str:
     """A part as an identifier-like name: "check:frozen-parameters-stay-unchanged" ->
     FrozenParametersStayUnchanged, "value:gradient" -> GradientBeyondItsBound,
     "raised:RuntimeError at ..." -> RaisesRuntimeError, "crash:SIGABRT" -> CrashSIGABRT."""
-    head, _, rest = part.partition(":")
+    head, _, rest = api(part).partition(":")
     if head == "raised":
         return "Raises" + rest.split(" ")[0]
     if head == "crash":
@@ -187,6 +187,20 @@ def message(text: str) -> str:
     for pattern, placeholder in _VARYING:
         first = pattern.sub(placeholder, first)
     return first[:MESSAGE_CHARS].rstrip()
+
+
+# What a rank says when a peer it was exchanging with went away (gloo's transport): the
+# echo of another rank's failure, which it reaches or not by timing
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Socket Timeout|Timed out waiting", re.I)
+
+
+def echoes_left_out(parts) -> set[str]:
+    """``parts`` without those that only say a peer went away, where another part says why:
+    whether a rank waiting for the one that raised meets the closed connection or is
+    stopped first is timing, and the raise is the failure."""
+    parts = set(parts)
+    own = {p for p in parts if not (p.startswith("raised:") and _PEER_LOST.search(p.partition(": ")[2]))}
+    return own or parts
 
 
 def api(part: str) -> str:

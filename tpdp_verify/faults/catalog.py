@@ -1215,8 +1215,8 @@ nor FSDP is needed: any DTensor with an empty `Shard` raises so.""",
             'torch.distributed.tensor._ops._math_ops:vector_norm_strategy'),
     shows=(
         # the local max of an empty shard, in either way of clipping (the entry points' cover cases)
-        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:clip_grad_norm_: *infinity norm on an empty tensor*",
-               "raised:RuntimeError at torch/nn/utils/clip_grad.py:_get_total_norm: *infinity norm on an empty tensor*"),
+        Shows(("raised:RuntimeError at torch/nn/utils/clip_grad.py:clip_grad_norm_: *cannot compute the inf* norm on an empty tensor*",
+               "raised:RuntimeError at torch/nn/utils/clip_grad.py:_get_total_norm: *cannot compute the inf* norm on an empty tensor*"),
               ("*train*",),
               (("entry", ("fully_shard", "replicate_fsdp")), ("habits.norm_type", ("inf",)))),
     ),
@@ -1234,8 +1234,8 @@ return a DTensor that was never reduced. The clipping is right (the clip coeffic
 division reduces it), but `.item()`, as a user logs the norm or compares it with a
 threshold to skip a step, is the max over the rank's own shards: each rank reads another
 number, and only the rank holding the largest entry reads the total. The 2-norm and the
-1-norm come back `Replicate`. Neither TP nor FSDP is needed: any DTensor gradient sharded
-over ranks returns it so.""",
+1-norm come back `Replicate`. The fault needs neither TP nor FSDP2 (any DTensor gradient
+sharded over ranks returns it so); the suite meets it through `fully_shard` over dp.""",
     consequence="""a logged max norm differs by rank and is too small on most; a step skipped on it is
   skipped on some ranks only, and their models part (or the next collective hangs).""",
     workaround="""read the norm whole: `norm.full_tensor().item()` (torchtitan's `clip_grad_norm_` does), or

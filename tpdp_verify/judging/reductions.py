@@ -102,8 +102,11 @@ def _departs(r, rank: int, i: int, calls: list[list], dtype: torch.dtype) -> str
     if r.delta.shape != exact.shape:
         return f"its shard is {tuple(r.delta.shape)}, the mean's rows for it {tuple(exact.shape)}"
     magnitude = (sum(x.abs() for x in summands) / divide)[at]
-    allowed = (len(summands) + 2) * torch.finfo(dtype).eps * magnitude \
-        + 2 * torch.finfo(r.delta.dtype).eps * exact.abs()
+    reducing, kept = torch.finfo(dtype), torch.finfo(r.delta.dtype)
+    # each rounding relative to what it rounds, and at least half a subnormal's spacing
+    # (float16 divides before and after its sum: a small gradient's quotient is subnormal)
+    allowed = (len(summands) + 2) * reducing.eps * (magnitude + reducing.smallest_normal) \
+        + 2 * kept.eps * (exact.abs() + kept.smallest_normal)
     off = (r.delta.double() - exact).abs()
     if not (off > allowed).any():
         return ""

@@ -185,7 +185,7 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     detail = "; ".join(sorted(e for e in errors if e))
     checks = [Check("every rank trains without an exception", False, detail, part,
                     tuple(r for r, t in enumerate(traces) if t.error and t.raised == part))
-              for part in sorted({t.raised for t in traces if t.error})] or \
+              for part in sorted(signature.echoes_left_out(t.raised for t in traces if t.error))] or \
              [Check("every rank trains without an exception", True)]
     if errors != {""}:
         return traces[0] if traces[0].error else next(t for t in traces if t.error), checks

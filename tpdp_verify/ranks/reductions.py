@@ -20,12 +20,11 @@ thousands of times what float32 allows, where a trained value's bound under a bf
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
-
-import contextlib
 
 from tpdp_verify.impls.fsdp2_sums import grad_step_replaced
 from tpdp_verify.ranks import taps
@@ -80,8 +79,12 @@ def _ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
 
 
-def _local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
+def _sharded_grad(fsdp_param) -> torch.Tensor | None:
+    """The local tensor of a parameter's sharded gradient; None where it has none (or a
+    torch's FSDP2 keeps it elsewhere: then the reduction is judged to have left none)."""
+    grad = getattr(getattr(fsdp_param, "sharded_param", None), "grad", None)
+    grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+    return grad if isinstance(grad, torch.Tensor) else None
 
 
 def watching_dp(seen: list[DPReduction]):
@@ -100,23 +103,30 @@ def watching_dp(seen: list[DPReduction]):
     takes = inspect.signature(_fsdp_collectives.foreach_reduce)
 
     def before(*args, **kwargs):
-        given = takes.bind(*args, **kwargs).arguments
-        if given.get("all_reduce_group") is not None and (not given.get("all_reduce_grads", True)
-                                                          or given.get("partial_reduce_output") is not None):
-            return given, []  # HSDP's microbatches: the shard sums several reductions, not judged
-        taken = [(p, g.detach().clone(), _local(p.sharded_param.grad))
-                 for p, g in zip(given["fsdp_params"], given["unsharded_grads"])
-                 if not isinstance(g, DTensor) and p.fsdp_placement.dim == 0]
-        return given, [(p, g, None if b is None else b.detach().clone()) for p, g, b in taken]
+        try:
+            given = takes.bind(*args, **kwargs).arguments
+            if given.get("all_reduce_group") is not None and (not given.get("all_reduce_grads", True)
+                                                              or given.get("partial_reduce_output") is not None):
+                return given, []  # HSDP's microbatches (set_requires_all_reduce): several reductions in one shard
+            taken = [(p, g.detach().clone(), _sharded_grad(p))
+                     for p, g in zip(given["fsdp_params"], given["unsharded_grads"])
+                     if isinstance(g, torch.Tensor) and not isinstance(g, DTensor) and p.fsdp_placement.dim == 0]
+            return given, [(p, g, None if b is None else b.detach().clone()) for p, g, b in taken]
+        except Exception:  # a torch whose FSDP2 calls it otherwise: not judged, never the harness raising in torch
+            return {}, []
 
     def after(noted):
         given, taken = noted
-        shards = _ranks(given["reduce_scatter_group"])
-        replicas = _ranks(given["all_reduce_group"]) if given.get("all_reduce_group") is not None else ()
-        for p, grad, b in taken:
-            now = p.sharded_param.grad
-            delta = None if now is None else _local(now).detach().clone() if b is None else _local(now).detach() - b
-            seen.append(DPReduction(p._param_fqn or "", grad, delta, shards, replicas,
+        try:
+            shards = _ranks(given["reduce_scatter_group"])
+            replicas = _ranks(given["all_reduce_group"]) if given.get("all_reduce_group") is not None else ()
+        except Exception:
+            return
+        for p, grad, b in taken:  # b is None or zeros: FSDP2 calls this once a step (no_sync skips it)
+            now = _sharded_grad(p)
+            delta = None if now is None or (b is not None and b.shape != now.shape) else \
+                now.detach().clone() if b is None else now.detach() - b
+            seen.append(DPReduction(getattr(p, "_param_fqn", "") or "", grad, delta, shards, replicas,
                                     given.get("gradient_divide_factor")))
 
     return taps.replaced(group_module, "foreach_reduce", lambda reduce: taps.around(reduce, before, after))

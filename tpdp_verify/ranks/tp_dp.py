@@ -234,7 +234,8 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
         run = run_of(case, wrapped, mesh, before)
         reduced: list[Reduction] = []
         reduced_over_dp: list[DPReduction] = []
-        with watching(reduced), watching_dp(reduced_over_dp):
+        over_dp = watching_dp(reduced_over_dp) if case.dp > 1 else contextlib.nullcontext()  # a dp of 1 sums nothing
+        with watching(reduced), over_dp:
             trace = train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
     trace.reductions, trace.dp_reductions = reduced, reduced_over_dp
     trace.exercised |= {"reduced by tp": reduced_by_tp(before), "precision": precision(wrapped.model)}

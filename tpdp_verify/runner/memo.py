@@ -29,7 +29,7 @@ SCHEMA = 3
 # Bump when a change of tpdp-verify alters what a case computes or how its failure is named
 # (a check renamed, a value compared anew): the answers kept under the old revision no longer
 # say what the release does on the case as it now runs.
-HARNESS = 2  # 2: a raised part carries its message (signature.message)
+HARNESS = 2  # 2: a raised part carries its message (signature.message); FSDP2's dp reduction is judged
 SHIPPED = Path(__file__).parent.parent / "memos"
 
 

@@ -116,7 +116,7 @@ def finding(exc: BaseException) -> Divergence | None:
         dumps = getattr(exc, "stacks", {}) or {}
         return divergence((signature.HANG,))("\n".join(filter(None, [str(exc), stacks.report(dumps)])))
     if isinstance(exc, RankFailed):
-        parts = {_part(tb) for tb in exc.tracebacks.values()}
+        parts = signature.echoes_left_out(_part(tb) for tb in exc.tracebacks.values())
         if all(" at " in signature.api(p) for p in parts):  # raised by the code under test, not by ours
             # Ranks left waiting for the ones that raised are named in the message, not the
             # signature: whether a rank reached the raise or a collective first is timing,
