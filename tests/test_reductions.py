@@ -67,8 +67,8 @@ def dp_traces(mean_dtype: torch.dtype, shards: int = 4, replicas: int = 1, rows:
         group = tuple(range(rank // shards * shards, rank // shards * shards + shards))
         others = tuple(range(rank % shards, world, shards)) if replicas > 1 else ()
         at = group.index(rank)
-        out.append(Trace(dp_reductions=[DPReduction("w", grads[rank], mean[at * size:(at + 1) * size], group,
-                                                    others, None)]))
+        shard = mean[at * size:(at + 1) * size]
+        out.append(Trace(dp_reductions=[DPReduction("w", grads[rank], shard, shard, group, others, None)]))
     return out
 
 

@@ -63,7 +63,8 @@ def judge_dp_reductions(case: TrainCase, traces: list[Trace]) -> list[Check]:
     """One check over every gradient FSDP2 reduced over dp (none where it reduced none): each
     rank's shard of it is the exact mean of the unsharded gradients of the ranks it was
     summed over (the shard group, and under HSDP the replicas' shard groups), within N + 2
-    roundings in ``reduce_dtype`` of the summands' magnitudes and two in the gradient's own."""
+    roundings in ``reduce_dtype`` of the summands' magnitudes, and the cast to the
+    gradient's own dtype and its accumulation into the shard's gradient in that dtype."""
     dtype = reduce_dtype(case)
     calls = [t.dp_reductions for t in traces]
     compared, departed = 0, []
@@ -104,9 +105,12 @@ def _departs(r, rank: int, i: int, calls: list[list], dtype: torch.dtype) -> str
     magnitude = (sum(x.abs() for x in summands) / divide)[at]
     reducing, kept = torch.finfo(dtype), torch.finfo(r.delta.dtype)
     # each rounding relative to what it rounds, and at least half a subnormal's spacing
-    # (float16 divides before and after its sum: a small gradient's quotient is subnormal)
+    # (float16 divides before and after its sum: a small gradient's quotient is subnormal);
+    # the cast to the gradient's dtype, and its accumulation into what the shard held
+    # (a gradient a step left unzeroed), each by one rounding of the gradient's dtype
+    held = r.held.double().abs() if r.held is not None and r.held.shape == exact.shape else exact.abs()
     allowed = (len(summands) + 2) * reducing.eps * (magnitude + reducing.smallest_normal) \
-        + 2 * kept.eps * (exact.abs() + kept.smallest_normal)
+        + kept.eps * (exact.abs() + 2 * held + 2 * kept.smallest_normal)
     off = (r.delta.double() - exact).abs()
     if not (off > allowed).any():
         return ""

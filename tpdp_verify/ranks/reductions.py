@@ -68,6 +68,7 @@ class DPReduction(NamedTuple):
     name: str  # the parameter's name from the root module
     grad: torch.Tensor  # this rank's unsharded gradient (its tp shard, whole over dp), as FSDP2 took it
     delta: torch.Tensor | None  # what the reduction added to this rank's shard of the gradient (None: no gradient)
+    held: torch.Tensor | None  # the shard's gradient after it, into which FSDP2 accumulated the delta
     shard_group: tuple[int, ...]  # the global ranks the reduce-scatter split rows over, in order
     replicas: tuple[int, ...]  # the global ranks of the all-reduce over replicas (HSDP), else ()
     divide_factor: float | None  # the gradient divide factor set on FSDP2, else None (the mean)
@@ -122,11 +123,12 @@ def watching_dp(seen: list[DPReduction]):
             replicas = _ranks(given["all_reduce_group"]) if given.get("all_reduce_group") is not None else ()
         except Exception:
             return
-        for p, grad, b in taken:  # b is None or zeros: FSDP2 calls this once a step (no_sync skips it)
+        for p, grad, b in taken:  # b: the gradient a step that was not zeroed left, into which FSDP2 adds
             now = _sharded_grad(p)
             delta = None if now is None or (b is not None and b.shape != now.shape) else \
                 now.detach().clone() if b is None else now.detach() - b
-            seen.append(DPReduction(getattr(p, "_param_fqn", "") or "", grad, delta, shards, replicas,
+            seen.append(DPReduction(getattr(p, "_param_fqn", "") or "", grad, delta,
+                                    None if delta is None else now.detach().clone(), shards, replicas,
                                     given.get("gradient_divide_factor")))
 
     return taps.replaced(group_module, "foreach_reduce", lambda reduce: taps.around(reduce, before, after))
