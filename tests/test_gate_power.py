@@ -52,7 +52,8 @@ def new(outcome, part=None):
 
 # the mutants whose cases the cover phase reaches (properties/losses.py EDGES): one drawn case
 BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1,
-            torch_mutants.MaxNormSummedOverShards: 1, torch_mutants.DPReducedInParamDtype: 1}
+            torch_mutants.MaxNormSummedOverShards: 1, torch_mutants.DPReducedInParamDtype: 1,
+            torch_mutants.SoftmaxBackwardKeepsTheShard: 1}
 
 
 @pytest.mark.timeout(600)
@@ -74,6 +75,9 @@ BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.Class
     # and the class weights left out of the fused backward
     (torch_mutants.IgnoredTargetsCountedInTheMean, losses_train_like_one_device, "value:loss"),
     (torch_mutants.ClassWeightsLeftOutOfTheBackward, losses_train_like_one_device, "value:gradient"),
+    # softmax's backward summing over each rank's own shard of the vocabulary, which only a
+    # gradient arriving vocab-sharded meets (the edge's expected cost; issue 42)
+    (torch_mutants.SoftmaxBackwardKeepsTheShard, losses_train_like_one_device, "value:gradient"),
     # each rank's total norm left unreduced, where torch 2.13 clips exactly (FSDP2 over a plan
     # that shards every parameter over tp: the cover cases clip the MLP both ways, by 1e-2):
     # each rank clips by its own norm, so the clipped gradients depart first

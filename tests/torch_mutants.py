@@ -523,11 +523,13 @@ class ClassWeightsLeftOutOfTheBackward(TorchReference):
 
 def _edited(function, old: str, new: str):
     """``function`` compiled again from torch's source with ``old`` replaced by ``new`` (found
-    once), in its own module's globals: a one-line edit, as a commit would make it."""
+    once), in its own module's globals, undecorated: a one-line edit, as a commit would make
+    it, installed where the mutant puts it."""
     import inspect
     import textwrap
 
     source = textwrap.dedent(inspect.getsource(function))
+    source = source[source.index(f"def {function.__name__}("):]  # its decorators (a registration) not run again
     if source.count(old) != 1:
         raise RuntimeError(f"{function.__qualname__}'s source has {source.count(old)} of {old!r}: torch moved on")
     scope: dict = {}
@@ -578,18 +580,30 @@ class NormLeftPerRank(TorchReference):
 
 
 @contextlib.contextmanager
-def _strategy_replaced(*sites):
-    """``_replaced`` for DTensor's sharding strategies: its propagation caches (Python's and
-    the C++ fast path's) emptied on the way in and out, so neither torch's strategies reach
-    the mutant's run nor the mutant's a later run of torch's on the same ranks."""
+def _caches_cleared(replacing):
+    """``replacing`` (a context that swaps DTensor's sharding strategies), with DTensor's
+    propagation caches (Python's and the C++ fast path's) emptied on the way in and out, so
+    neither torch's strategies reach the mutant's run nor the mutant's a later run of
+    torch's on the same ranks."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     try:
-        with _replaced(*sites):
+        with replacing:
             yield
     finally:
         _clear_sharding_prop_cache()
+
+
+@contextlib.contextmanager
+def _entry_replaced(mapping: dict, key, value):
+    """``mapping[key]`` set to ``value`` for the run, torch's own put back after it."""
+    saved = mapping[key]
+    mapping[key] = value
+    try:
+        yield
+    finally:
+        mapping[key] = saved
 
 
 class MaxNormSummedOverShards(TorchReference):
@@ -611,7 +625,30 @@ class MaxNormSummedOverShards(TorchReference):
         def summed(norm_type):
             return _math_ops.NormReduction(1) if norm_type in (float("inf"), "inf") else by_norm(norm_type)
 
-        return _strategy_replaced((_math_ops, "_get_norm_reduction_op", summed))
+        return _caches_cleared(_replaced((_math_ops, "_get_norm_reduction_op", summed)))
+
+
+class SoftmaxBackwardKeepsTheShard(TorchReference):
+    """DTensor's strategy for softmax's backward (``softmax_backward_strategy``,
+    torch/distributed/tensor/_ops/_math_ops.py) follows the gradient's sharding without
+    replicating the softmax dim, as an edit that dropped ``replicate_reduction_dims`` would:
+    each rank's ``_softmax_backward_data`` then sums ``grad * out`` over its own shard of
+    the vocabulary only. Only a gradient arriving vocab-sharded meets it (the loss edges'
+    expected cost: properties/losses.py EDGES), where torch 2.13 is exact (issue 42)."""
+
+    caught_by = frozenset({"losses_train_like_one_device"})
+    departs_as = frozenset({"GradientBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._ops import _math_ops
+
+        kept = _edited(_math_ops.softmax_backward_strategy,
+                       "placements=replicate_reduction_dims(src_spec.placements, [softmax_dim]),",
+                       "placements=src_spec.placements,")
+        strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+        return _caches_cleared(_entry_replaced(strategies, torch.ops.aten._softmax_backward_data.default, kept))
 
 
 class AccumulatedGradReducedInParamDtype(TorchReference):

@@ -253,6 +253,11 @@ LOSS_KINDS = (
     "teacher_kl",       # KL divergence to a fixed teacher distribution (log_softmax, kl_div)
     "z_loss",           # cross entropy plus a penalty on the log-partition (logsumexp) squared
 )
+# A loss the edge cover cases alone take (properties/losses.py EDGES), never drawn: the
+# fixed draws stay as the shipped memo answers them
+EDGE_LOSS_KINDS = (
+    "expected_cost",    # cross entropy plus the softmax's expected cost, a fixed cost per vocabulary entry
+)
 REDUCTIONS = ("mean", "sum", "none")  # over a sample's tokens; "none": the per-token losses, then their mean
 # How cross entropy takes a sample's logits: "" as (tokens, vocab); "ncd" with the class dim
 # first, (N, C, D) = (1, vocab, tokens); "nchw" as a per-pixel classifier's (N, C, H, W), the
@@ -265,7 +270,7 @@ LOSS_MODELS = ("tied", "llama_lm")  # the zoo's models with a vocabulary head
 class Loss:
     """The loss a case trains with, in place of its model's own; its repr is constructor code."""
 
-    kind: str = "cross_entropy"     # one of LOSS_KINDS
+    kind: str = "cross_entropy"     # one of LOSS_KINDS, or EDGE_LOSS_KINDS
     reduction: str = "mean"         # one of REDUCTIONS: torch's own reduction over a sample's tokens
     ignore_index: bool = False      # some targets are padding (-100), left out of the loss
     label_smoothing: float = 0.0    # cross entropy's
