@@ -22,6 +22,7 @@ from tpdp_verify.properties import (checkpoint_resumes, chunk_tensor_metadata, e
                                     flatten_roundtrip, ignored_params_untouched, losses_train_like_one_device,
                                     miswiring_refused_or_exact, trains_like_one_device,
                                     trains_like_plain_ddp)
+from tpdp_verify import signature
 from tpdp_verify.runner import profiles
 from tpdp_verify.runner.baseline import Baseline
 from tpdp_verify.runner.gate import judged_search
@@ -45,9 +46,11 @@ def judged(prop, pool, mutant, drawn: int | None = None):
 
 
 def new(outcome, part=None):
-    """The findings that block, with ``part``: NEW where 2.13.0 passes the case, CHANGED where
-    it fails it otherwise (a different error, other checks)."""
-    return [f for f in outcome.findings if f.status in ("NEW", "CHANGED") and (part is None or part in f.signature)]
+    """The findings that block, with ``part`` (a raised part by its API, whatever its
+    message): NEW where 2.13.0 passes the case, CHANGED where it fails it otherwise (a
+    different error, other checks)."""
+    return [f for f in outcome.findings if f.status in ("NEW", "CHANGED")
+            and (part is None or part in {signature.api(p) for p in f.signature})]
 
 
 # the mutants whose cases the cover phase reaches (properties/losses.py EDGES): one drawn case
@@ -168,7 +171,6 @@ def test_another_error_under_the_same_api_on_a_case_the_release_fails_is_changed
     raises in ``backward``, where 2.13 raises fault 24's own error on the same case: the
     errors differ, so CHANGED; on the case with class weights alone, where 2.13 is exact,
     NEW (issue 42)."""
-    from tpdp_verify import signature
     from tpdp_verify.properties.losses import EDGES, every_loss
     from tpdp_verify.runner.baseline import status
     from tpdp_verify.runner.replay import run_case
