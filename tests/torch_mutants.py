@@ -62,6 +62,22 @@ def _overrides(cls: type, f: str) -> bool:
     return any(f in vars(c) for c in cls.__mro__ if c is not TorchReference and issubclass(c, TorchReference))
 
 
+def _edited(function, old: str, new: str):
+    """``function`` compiled again from torch's source with ``old`` replaced by ``new`` (found
+    once), in its own module's globals, undecorated: a one-line edit, as a commit would make
+    it, installed where the mutant puts it."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(function))
+    source = source[source.index(f"def {function.__name__}("):]  # its decorators (a registration) not run again
+    if source.count(old) != 1:
+        raise RuntimeError(f"{function.__qualname__}'s source has {source.count(old)} of {old!r}: torch moved on")
+    scope: dict = {}
+    exec(compile(source.replace(old, new), inspect.getsourcefile(function), "exec"), function.__globals__, scope)
+    return scope[function.__name__]
+
+
 # -- (a) gradient values only -----------------------------------------------------------
 
 
@@ -295,19 +311,7 @@ class LocalizeKeepsPlainTensors(TorchReference):
 
     caught_by = frozenset({"registry_preserved", "trains_like_one_device"})
     departs_as = frozenset({"ParametersStayRegisteredInOrder"})
-
-    @staticmethod
-    def localize_dtensor(module: nn.Module, *_, ignored_params=None):
-        ignored_params = ignored_params or set()
-        param_list = []
-        for name, param in module.named_parameters():
-            if param in ignored_params:
-                continue
-            t, sharding_info = _ddp._flatten_tensor(param)
-            if sharding_info is not None:
-                t._st_info = sharding_info
-                param_list.append((*_ddp._get_submodule_n_params(module, name), t))
-        _ddp._update_module_param(param_list)
+    localize_dtensor = staticmethod(_edited(_ddp._localize_dtensor, "t = nn.Parameter(t)", "t = t"))
 
 
 class LocalizeFlattensTheShard(TorchReference):
@@ -319,20 +323,8 @@ class LocalizeFlattensTheShard(TorchReference):
 
     caught_by = frozenset({"registry_preserved", "trains_like_one_device"})
     departs_as = frozenset({"RaisesRuntimeError"})
-
-    @staticmethod
-    def localize_dtensor(module: nn.Module, *_, ignored_params=None):
-        ignored_params = ignored_params or set()
-        param_list = []
-        for name, param in module.named_parameters():
-            if param in ignored_params:
-                continue
-            t, sharding_info = _ddp._flatten_tensor(param)
-            if sharding_info is not None:
-                t = nn.Parameter(t.flatten())
-                t._st_info = sharding_info
-                param_list.append((*_ddp._get_submodule_n_params(module, name), t))
-        _ddp._update_module_param(param_list)
+    localize_dtensor = staticmethod(_edited(_ddp._localize_dtensor, "t = nn.Parameter(t)",
+                                            "t = nn.Parameter(t.flatten())"))
 
 
 class FlattenReturnsTheFullTensor(TorchReference):
@@ -519,22 +511,6 @@ class ClassWeightsLeftOutOfTheBackward(TorchReference):
             return backward(grad_output, x, target, None, *args)
 
         return _replaced((loss, "_nll_loss_and_log_softmax_backward", unweighted))
-
-
-def _edited(function, old: str, new: str):
-    """``function`` compiled again from torch's source with ``old`` replaced by ``new`` (found
-    once), in its own module's globals, undecorated: a one-line edit, as a commit would make
-    it, installed where the mutant puts it."""
-    import inspect
-    import textwrap
-
-    source = textwrap.dedent(inspect.getsource(function))
-    source = source[source.index(f"def {function.__name__}("):]  # its decorators (a registration) not run again
-    if source.count(old) != 1:
-        raise RuntimeError(f"{function.__qualname__}'s source has {source.count(old)} of {old!r}: torch moved on")
-    scope: dict = {}
-    exec(compile(source.replace(old, new), inspect.getsourcefile(function), "exec"), function.__globals__, scope)
-    return scope[function.__name__]
 
 
 class WeightsGatheredByTheFlatTarget(TorchReference):
