@@ -161,7 +161,7 @@ def test_the_ci_profile_draws_every_loss_on_both_sides_of_loss_parallel():
     and over replicated logits, every reduction, every cross-entropy option (logits of
     rank 3 and 4 among them), both models with a head, every sound entry point, TP and DP
     composed."""
-    from tpdp_verify.cases.training import LOSS_KINDS, LOSS_MODELS, REDUCTIONS
+    from tpdp_verify.cases.training import EDGE_LOSS_KINDS, LOSS_KINDS, LOSS_MODELS, REDUCTIONS
     from tpdp_verify.properties.exclusions import SOUND_TRAINING
     from tpdp_verify.properties.losses import losses_train_like_one_device as prop
 
@@ -178,6 +178,7 @@ def test_the_ci_profile_draws_every_loss_on_both_sides_of_loss_parallel():
                       f"ignore_index={loss.ignore_index}", f"class_weights={loss.class_weights}",
                       f"label_smoothing={loss.label_smoothing}", f"logits={loss.logits} parallel={loss.parallel}"])
     expected = ([f"kind={k} parallel={p}" for k in LOSS_KINDS for p in (True, False)]
+                + [f"kind={k} parallel=True" for k in EDGE_LOSS_KINDS]  # the edges' own, under loss_parallel
                 + [f"reduction={r}" for r in REDUCTIONS] + [f"model={m}" for m in LOSS_MODELS]
                 + [f"entry={e}" for e in SOUND_TRAINING["entries"]] + ["composed=True"]
                 + [f"{o}={v}" for o in ("ignore_index", "class_weights") for v in (True, False)]
