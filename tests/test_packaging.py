@@ -1,5 +1,6 @@
 """One namespace: oracles/, properties/ and fixtures/ install as tpdp_verify.* both ways."""
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -104,5 +105,13 @@ def test_the_installed_wheel_verifies_a_plan_from_outside_the_repository(wheel, 
     assert drafted.returncode == 0 and "def _log_softmax_backward_handler" in drafted.stdout, drafted.stderr[-2000:]
     fixture = run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py")
     assert fixture.returncode == 0 and "1 passed" in fixture.stdout, fixture.stdout[-3000:]
+    # a baseline replayed from the checkout's root, whose tpdp_verify folder is not the package
+    # (no properties in it): the installed one serves the candidate, its ranks and the replays
+    gate = subprocess.run([str(venv / "bin" / "tpdp-verify"), "gate", "--profile", "smoke", "-k",
+                           "chunk_tensor_metadata", "--seed", "20261128", "--baseline", "torch==2.13.0",
+                           "--baseline-python", python], cwd=ROOT, env={**env, "TPDP_VERIFY_CACHE": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert gate.returncode == 0 and re.search(r"\b[1-9]\d* replayed there \(", gate.stdout), \
+        gate.stdout[-2000:] + gate.stderr[-2000:]
     assert not any(str(ROOT) in p for p in run(python, "-c", "import tpdp_verify, tpdp_verify.plan;"
                                                "print(tpdp_verify.__file__, tpdp_verify.plan.__file__)").stdout.split())

@@ -6,6 +6,7 @@ holds that release."""
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -66,11 +67,11 @@ def test_overlapping_metadata_on_even_shards_is_new_though_torch_overlaps_uneven
     assert all(c.shape[c.tp_placement.dim] % c.mesh_shape[-1] == 0 for c in even), even  # torch: no overlap
 
 
-def _gate(*args, cwd):
+def _gate(*args, cwd, **env):
     import os
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # torch_mutants, toy_suite
+    env = {**os.environ, "PYTHONPATH": str(TESTS), **env}  # torch_mutants, toy_suite
     return subprocess.run([sys.executable, "-m", "tpdp_verify", "gate", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=540)
 
@@ -111,3 +112,31 @@ def test_a_baseline_python_that_is_no_python_is_one_line(tmp_path):
     out = _gate("--baseline", "torch==2.13.0", "--baseline-python", str(fake), cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "did not start the replay server" in out.stderr and "exit 7" in out.stderr
+
+
+def bare_python(where: Path) -> str:
+    """A python with this environment's packages (torch 2.13.0) but not tpdp-verify: how
+    another release's environment looks to the replay server."""
+    import subprocess
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    python = str(where / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # no .pth of it runs
+    return python
+
+
+@pytest.mark.timeout(600)
+def test_a_baseline_python_replays_from_the_checkouts_root(tmp_path):
+    """From the project's root, where make demo points, the replay server once imported the
+    checkout's tpdp_verify folder (no properties in it) and its ranks died at start-up. Here
+    a python without tpdp-verify replays a fresh seed's failures, run from that root; the
+    cache is the test's own, so no earlier run's answer stands in for a replay."""
+    out = _gate("--profile", "smoke", "-k", "chunk_tensor_metadata", "--seed", "20261127", "--baseline",
+                "torch==2.13.0", "--baseline-python", bare_python(tmp_path / "bare"), cwd=TESTS.parent,
+                TPDP_VERIFY_CACHE=str(tmp_path / "cache"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    replayed = re.search(r"(\d+) replayed there \(", out.stdout)
+    assert replayed and int(replayed[1]) > 0 and ": passes" in out.stdout, out.stdout[-3000:]

@@ -45,7 +45,9 @@ def _umask() -> int:
     return mask
 
 
-RUNS_KEPT = 20  # rank-log directories kept in the cache: the newest, one a run
+RUNS_KEPT = 20  # rank-log directories of ended runs kept in the cache: the newest, one a run
+LIVE = ".live"  # in a run's directory: the file its run holds locked while it lives (flock)
+_HELD: dict[str, int] = {}  # this process's run directories -> the descriptor that holds each one's lock
 
 
 def cache_dir() -> Path:
@@ -58,15 +60,57 @@ def cache_dir() -> Path:
 
 def run_directory() -> str:
     """A fresh directory for one run's rank logs, under the cache's runs/ (named by when it
-    started); the oldest beyond RUNS_KEPT are removed, so an afternoon of runs leaves 20,
-    not one a run in the temp dir."""
-    import shutil
-
+    started), held for as long as this process lives. The oldest beyond RUNS_KEPT are removed,
+    so an afternoon of runs leaves 20, not one a run in the temp dir; but only those whose
+    run has ended: gates, plan runs, shards and pytest workers share one cache, and an age
+    says nothing of whether a run still writes there."""
     runs = cache_dir() / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     now = time.time_ns()
-    made = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-", time.localtime(now / 1e9))
-                            + f"{now % 10**9:09d}-", dir=runs)
-    for old in sorted(runs.iterdir(), key=lambda p: p.name)[:-RUNS_KEPT]:
-        shutil.rmtree(old, ignore_errors=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S-", time.localtime(now / 1e9)) + f"{now % 10**9:09d}-"
+    # made under a dot name and renamed once locked: a pruner never sees it unheld
+    staging = tempfile.mkdtemp(prefix="." + stamp, dir=runs)
+    _HELD[staging] = _hold(Path(staging))
+    made = os.path.join(runs, os.path.basename(staging)[1:])
+    os.rename(staging, made)
+    _HELD[made] = _HELD.pop(staging)
+    _prune(runs)
     return made
+
+
+def _hold(directory: Path) -> int:
+    """Lock ``directory``'s LIVE file for the rest of this process (the kernel lets it go
+    however the process ends, so a killed run never pins its directory). The descriptor is
+    not inheritable: ranks forked or spawned later neither hold nor release it."""
+    import fcntl
+
+    fd = os.open(directory / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _prune(runs: Path) -> None:
+    """Remove the directories of ended runs beyond the newest RUNS_KEPT of them. A run lives
+    while its LIVE file is locked; the lock is taken here before removing, so two pruners
+    never remove one directory twice, and nothing of a living run is touched."""
+    import fcntl
+    import shutil
+
+    ended = []
+    for d in sorted((p for p in runs.iterdir() if not p.name.startswith(".")), key=lambda p: p.name):
+        if str(d) in _HELD:
+            continue
+        try:
+            fd = os.open(d / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:  # removed meanwhile by another pruner, or not a directory of ours
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its run lives
+            os.close(fd)
+            continue
+        ended.append((d, fd))
+    for d, fd in ended[:max(0, len(ended) - RUNS_KEPT)]:
+        shutil.rmtree(d, ignore_errors=True)  # removed while locked: no other pruner reads it half gone
+    for _, fd in ended:
+        os.close(fd)

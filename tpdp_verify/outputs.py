@@ -23,6 +23,7 @@ from tpdp_verify import faults
 from tpdp_verify.cases import mesh_text
 from tpdp_verify.errors import EXIT_USAGE, UsageError
 from tpdp_verify.files import write_whole
+from tpdp_verify.runner.baseline import run_verdict
 
 # torch and the gate are imported where used: a bad output path fails before they load
 
@@ -325,7 +326,7 @@ def to_markdown(record: dict) -> str:
     b = record.get("baseline")
     if b:
         out += [f"Against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
-                f"{b['known']} known: {'blocks' if b['blocks'] else 'passes'}.", ""]
+                f"{b['known']} known: {run_verdict(b)}.", ""]
     c = record.get("catalog")
     if c and c["known"]:
         out += [f"The fault catalog explains {c['explained']} of the {c['known']} known failures"

@@ -32,6 +32,7 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -103,21 +104,43 @@ def _start_server(ctx) -> None:
 
     if ctx.get_start_method() != "forkserver" or forkserver._forkserver._forkserver_pid is not None:
         return
+    with _this_sys_path():
+        try:
+            saved = [os.dup(fd) for fd in (0, 1, 2)]
+        except OSError:  # a process without all three (a daemon): the server gets what there is
+            forkserver.ensure_running()
+            return
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            forkserver.ensure_running()
+        finally:
+            for fd, old in zip((0, 1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+            os.close(null)
+
+
+@contextlib.contextmanager
+def _this_sys_path():
+    """The fork server imports from this process's sys.path, as its ranks do. Python before
+    3.13 starts it with ``-c`` and drops the path multiprocessing hands it, so it would
+    import from the working directory first: from a checkout's root, its ``tpdp_verify``
+    folder (or a folder named like any module PRELOAD lists) would stand for the installed
+    package in every rank. PYTHONSAFEPATH (3.11+) keeps the working directory out."""
+    keys = ("PYTHONPATH", "PYTHONSAFEPATH")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    os.environ["PYTHONSAFEPATH"] = "1"
     try:
-        saved = [os.dup(fd) for fd in (0, 1, 2)]
-    except OSError:  # a process without all three (a daemon): the server gets what there is
-        forkserver.ensure_running()
-        return
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        forkserver.ensure_running()
+        yield
     finally:
-        for fd, old in zip((0, 1, 2), saved):
-            os.dup2(old, fd)
-            os.close(old)
-        os.close(null)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _Stdio:

@@ -184,6 +184,7 @@ class Judgement:
     not_asked: list = field(default_factory=list)
     reran: int = 0  # memo cases run again on the candidate
     not_rerun: int = 0  # and those the rerun budget left
+    infra: int = 0  # searches the harness could not judge: the run has no verdict on them
 
     @property
     def blocks(self) -> bool:
@@ -200,12 +201,24 @@ class Judgement:
                     lists[f.status].append((o.property, o.world_size, f))
             out.reran += o.stats.reran
             out.not_rerun += o.stats.not_rerun
+            out.infra += o.status in ("infra", "interrupted")
         return out
 
     def counts(self) -> dict:
         return {"new": len(self.new), "changed": len(self.changed), "fixed": len(self.fixed),
                 "known": len(self.known), "not_asked": len(self.not_asked), "reran": self.reran,
-                "not_rerun": self.not_rerun}
+                "not_rerun": self.not_rerun, "infra": self.infra}
+
+
+def run_verdict(counts: dict) -> str:
+    """What the baseline says of a run, from its counts (``Judgement.counts``, or merged parts'):
+    the one place the word is chosen. A search the harness could not judge leaves the run
+    without a verdict, whatever the others found: never "passes" beside it."""
+    if counts["new"] or counts["changed"]:
+        return "blocks"
+    if counts.get("infra"):
+        return f"no verdict ({counts['infra']} searches not judged: infrastructure failures)"
+    return "not judged" if counts["not_asked"] else "passes"
 
 
 def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: str = "", full: bool = True) -> str:
@@ -233,5 +246,5 @@ def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: s
         out.append(f"  {unavailable}")
     out.append(f"against the baseline: {len(j.new)} new, {len(j.changed)} changed, {len(j.fixed)} fixed, "
                f"{len(j.known)} known" + (f", {len(j.not_asked)} not asked" if j.not_asked else "")
-               + (": blocks" if j.blocks else ": not judged" if j.not_asked else ": passes"))
+               + f": {run_verdict(j.counts())}")
     return "\n".join(out)

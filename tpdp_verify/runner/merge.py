@@ -14,12 +14,13 @@ from pathlib import Path
 
 from tpdp_verify import faults
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, UsageError
+from tpdp_verify.runner.baseline import run_verdict
 from tpdp_verify.runner.selection import parse
 
 # What the parts of one run share.
 SAME = ("command", "schema", "tpdp_verify", "torch", "impl", "profile", "max_examples", "seed", "backend",
         "world_sizes", "shrink_total")
-JUDGED = ("new", "changed", "fixed", "known", "not_asked", "reran", "not_rerun")  # the baseline's counts
+JUDGED = ("new", "changed", "fixed", "known", "not_asked", "reran", "not_rerun", "infra")  # the baseline's counts
 # What merge reads of a part, beyond SAME.
 READ = ("selection", "counts", "properties", "seconds", "started", "exit_code", "error", "baseline", "interrupted")
 
@@ -121,7 +122,7 @@ def _judgement(parts: list[dict | None]) -> dict | None:
     if not parts[0]:
         return None
     merged = {"name": parts[0]["name"], "blocks": any(p["blocks"] for p in parts)}
-    return merged | {k: sum(p[k] for p in parts) for k in JUDGED}
+    return merged | {k: sum(p.get(k, 0) for p in parts) for k in JUDGED}  # a record before "infra" counted none
 
 
 def _exit_code(merged: dict, parts: list[dict]) -> int:
@@ -154,6 +155,6 @@ def summary(merged: dict, command: str = "merge") -> str:
         out.append(f"against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
                    f"{b['known']} known" + (f", {b['not_asked']} not asked" if b["not_asked"] else "")
                    + (f"; {b['not_rerun']} of the memo's failing cases not rerun" if b["not_rerun"] else "")
-                   + f": {'blocks' if b['blocks'] else 'not judged' if b['not_asked'] else 'passes'}")
+                   + f": {run_verdict(b)}")
     out += [f"\n{p['report']}" for p in merged["properties"] if p["report"] and p["status"] != "interrupted"]
     return "\n".join(out)

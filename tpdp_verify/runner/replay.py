@@ -69,12 +69,16 @@ class PythonSide:
             raise UsageError(f"--baseline-python {python}: not an executable file; give the python of an "
                              "environment that holds the baseline torch")
         self._view = tempfile.TemporaryDirectory(prefix="tpdp-verify-baseline-")
-        _package_view(Path(self._view.name))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([self._view.name, os.getcwd()])}
+        server = _package_view(Path(self._view.name))
+        # the view first, the working directory last (a user's --suite): never `python -m`, which
+        # puts the working directory first, where a checkout's own tpdp_verify folder (no
+        # properties in it) would stand for the package
+        path = [self._view.name, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)), os.getcwd()]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         env.pop("PYTHONHOME", None)
         self._log = open(os.path.join(rank_output, "baseline-python.log"), "ab") if rank_output else None
         self.process = subprocess.Popen(
-            [python, "-m", "tpdp_verify.runner.replay", suite, backend, str(timeout), rank_output or ""],
+            [python, str(server), suite, backend, str(timeout), rank_output or ""],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
             start_new_session=True)  # a Ctrl-C reaches this process, which stops the server itself
         try:
@@ -128,9 +132,11 @@ class PythonSide:
         self._view.cleanup()
 
 
-def _package_view(root: Path) -> None:
+def _package_view(root: Path) -> Path:
     """``root/tpdp_verify``: this tpdp-verify's package as installed, its top-level folders
-    (properties, oracles, fixtures) in place, as links, for a python that has not installed it."""
+    (properties, oracles, fixtures) in place, as links, for a python that has not installed it;
+    and beside it the server's script, which it returns: run as a file, its folder (the view)
+    is the first place that python imports from, whatever the working directory holds."""
     from importlib.util import find_spec
 
     def where(name: str) -> Path:  # found, not imported: the suite is not this layer's to import
@@ -144,6 +150,10 @@ def _package_view(root: Path) -> None:
     for sub in ("properties", "oracles", "fixtures"):
         if not (package / sub).exists():
             (package / sub).symlink_to(where(f"tpdp_verify.{sub}"))
+    server = root / "tpdp_verify_replay_server.py"
+    # the guard: the server's ranks import this file again as __mp_main__
+    server.write_text("from tpdp_verify.runner.replay import main\n\nif __name__ == \"__main__\":\n    main()\n")
+    return server
 
 
 # --------------------------------------------------------------------------- the server
@@ -164,7 +174,7 @@ def serve(suite_name: str, backend: str, timeout: float, rank_output: str) -> No
                                  "(torch, hypothesis, numpy)"})
         return
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a user's --suite, as the candidate's side imports it
+        sys.path.append(os.getcwd())  # a user's --suite; last, so that nothing there shadows the view
     suite = {p.name: p for p in load(suite_name).properties}
     _send(replies, {"torch": torch.__version__})
     pools: dict[int, RankPool] = {}
@@ -191,7 +201,8 @@ def _send(replies, message: dict) -> None:
     replies.flush()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The server's entry: ``SUITE BACKEND TIMEOUT RANK_OUTPUT``, as PythonSide starts it."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the candidate stops this server by closing its input
