@@ -239,7 +239,8 @@ class Report:
               "the whole one alike" if reduced else "none, so a PASS says nothing of TP's gradient reductions")
         return ["", "what this run exercised (a PASS covers these):", f"  loss: {loss}",
                 f"  trained parameters replicated over tp: {tp}",
-                f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"]
+                f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"] \
+            + [f"  not observed: {said}" for said in seen.get("unobservable", [])]
 
     @property
     def _reached(self) -> bool:

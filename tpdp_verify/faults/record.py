@@ -51,9 +51,14 @@ class Fault:
     source: tuple[str, ...]  # "module:qualname" of torch's code at fault
     shows: tuple[Shows, ...]
     repro: str  # the file in repros/
-    # the releases whose run of the reproduction shows it (docs/performance.md: each run on both)
-    releases: tuple[str, ...] = ("2.13.0", "2.14.1")
     upstream: tuple[str, ...] = ()  # the issues and pull requests that report or fix it
+
+    @property
+    def releases(self) -> tuple[str, ...]:
+        """The releases whose run of the reproduction shows it (tpdp_verify.faults.releases)."""
+        from tpdp_verify.faults.releases import showing
+
+        return showing(self.number)
 
     @property
     def label(self) -> str:

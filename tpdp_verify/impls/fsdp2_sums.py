@@ -21,20 +21,19 @@ from typing import Callable, Iterator
 def grad_step_replaced(wrap: Callable) -> Iterator[None]:
     """FSDP2's ``FSDPParam._get_grad_inner_tensor`` replaced by ``wrap(torch's)`` for the
     run, torch's put back after it; nothing on a torch whose FSDP2 has no such step."""
+    from tpdp_verify import torch_internals
+
     try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    except ImportError:
+        owner, name = torch_internals.site("grad step")
+    except torch_internals.Unobservable:
         yield
         return
-    inner = getattr(FSDPParam, "_get_grad_inner_tensor", None)
-    if inner is None:
-        yield
-        return
-    FSDPParam._get_grad_inner_tensor = wrap(inner)
+    inner = getattr(owner, name)
+    setattr(owner, name, wrap(inner))
     try:
         yield
     finally:
-        FSDPParam._get_grad_inner_tensor = inner
+        setattr(owner, name, inner)
 
 
 def summed_in_reduce_dtype():

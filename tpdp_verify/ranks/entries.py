@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from tpdp_verify import torch_internals
 from tpdp_verify.cases.training import TrainCase
 
 
@@ -249,9 +250,8 @@ def spmd_form(model: nn.Module) -> str:
     """How a user's own FSDP2 sees the mesh, as TrainCase.dp_mesh_dims names it: "" where no
     unit in ``model`` was given the whole mesh with dp_mesh_dims, else "shard", "replicate"
     or "both"."""
-    units = (m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state"))
-    dims = [g.mesh_info.dp_mesh_dims for u in units for g in u._fsdp_param_groups
-            if getattr(g.mesh_info, "is_spmd_mesh", False)]
+    groups = (g for state in torch_internals.fsdp2_states(model) for g in torch_internals.fsdp2_param_groups(state))
+    dims = [d for d in map(torch_internals.spmd_dp_dims, groups) if d is not None]
     if not dims:
         return ""
     named = [k for k in ("shard", "replicate") if getattr(dims[0], k) is not None]
@@ -317,13 +317,13 @@ WRAP = {
 def precision(model: nn.Module) -> list[str]:
     """The mixed-precision policies of the DP wrappers in and around ``model``, as a report
     names them: DDP's and FSDP1's ``mixed_precision``, each FSDP2 module's
-    MixedPrecisionPolicy (read from its state, where this torch keeps it)."""
-    found = []
-    for m in model.modules():
-        policies = [getattr(m, "mixed_precision", None)]
-        state = getattr(m, "_get_fsdp_state", None)
-        if callable(state):
-            policies += [g.mp_policy for g in getattr(state(), "_fsdp_param_groups", ())]
-        found += [repr(p) for p in policies
-                  if any(getattr(p, k, None) is not None for k in ("param_dtype", "reduce_dtype"))]
+    MixedPrecisionPolicy (read from its state; a torch that keeps it under no name known
+    leaves it out of the report's line, which is no check)."""
+    policies = [getattr(m, "mixed_precision", None) for m in model.modules()]
+    for state in torch_internals.fsdp2_states(model):
+        with contextlib.suppress(torch_internals.Unobservable):
+            policies += [p for g in torch_internals.fsdp2_param_groups(state) for p in torch_internals.fsdp2_policies(g)]
+    found = [repr(p) for p in policies
+             if any(getattr(p, k, None) is not None for k in ("param_dtype", "reduce_dtype"))]
     return list(dict.fromkeys(found))
+

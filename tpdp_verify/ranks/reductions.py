@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from tpdp_verify import torch_internals
 from tpdp_verify.impls.fsdp2_sums import grad_step_replaced
 from tpdp_verify.ranks import taps
 
@@ -49,7 +50,7 @@ def partial_on_tp(grad: DTensor) -> bool:
 
 def watching(seen: list[Reduction]):
     """Record in ``seen`` every gradient of partial placement that FSDP2 reduces, in order
-    (nothing on a torch whose FSDP2 has no such step)."""
+    (nothing on a torch whose FSDP2 has no such step: ``unobservable`` says so)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     def partial_of(grad):
@@ -57,7 +58,7 @@ def watching(seen: list[Reduction]):
         return grad._local_tensor.detach().clone() if isinstance(grad, DTensor) and partial_on_tp(grad) else None
 
     def record(fsdp_param, partial, out):
-        seen.append(Reduction(fsdp_param._param_fqn or "", partial, out.detach().clone()))
+        seen.append(Reduction(torch_internals.param_name(fsdp_param), partial, out.detach().clone()))
 
     return grad_step_replaced(lambda inner: taps.watching(inner, partial_of, record))
 
@@ -80,28 +81,18 @@ def _ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
 
 
-def _sharded_grad(fsdp_param) -> torch.Tensor | None:
-    """The local tensor of a parameter's sharded gradient; None where it has none (or a
-    torch's FSDP2 keeps it elsewhere: then the reduction is judged to have left none)."""
-    grad = getattr(getattr(fsdp_param, "sharded_param", None), "grad", None)
-    grad = grad._local_tensor if isinstance(grad, DTensor) else grad
-    return grad if isinstance(grad, torch.Tensor) else None
-
-
 def watching_dp(seen: list[DPReduction]):
     """Record in ``seen`` every gradient FSDP2's ``foreach_reduce`` reduces over dp and puts
     into its shard, in order: those sharded on dim 0, as plain tensors, in a call that
-    completes the reduction (nothing on a torch whose FSDP2 has no such function)."""
+    completes the reduction (nothing on a torch whose FSDP2 has no such function:
+    ``unobservable`` says so)."""
     import inspect
 
     try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
-    except ImportError:
+        owner, name = torch_internals.site("dp reduce")
+        takes = inspect.signature(getattr(*torch_internals.site("dp reduce (defined)")))
+    except torch_internals.Unobservable:
         return contextlib.nullcontext()
-    if not hasattr(group_module, "foreach_reduce"):
-        return contextlib.nullcontext()
-    takes = inspect.signature(_fsdp_collectives.foreach_reduce)
 
     def before(*args, **kwargs):
         try:
@@ -109,9 +100,9 @@ def watching_dp(seen: list[DPReduction]):
             if given.get("all_reduce_group") is not None and (not given.get("all_reduce_grads", True)
                                                               or given.get("partial_reduce_output") is not None):
                 return given, []  # HSDP's microbatches (set_requires_all_reduce): several reductions in one shard
-            taken = [(p, g.detach().clone(), _sharded_grad(p))
+            taken = [(p, g.detach().clone(), torch_internals.sharded_grad(p))
                      for p, g in zip(given["fsdp_params"], given["unsharded_grads"])
-                     if isinstance(g, torch.Tensor) and not isinstance(g, DTensor) and p.fsdp_placement.dim == 0]
+                     if isinstance(g, torch.Tensor) and not isinstance(g, DTensor) and torch_internals.shard_dim(p) == 0]
             return given, [(p, g, None if b is None else b.detach().clone()) for p, g, b in taken]
         except Exception:  # a torch whose FSDP2 calls it otherwise: not judged, never the harness raising in torch
             return {}, []
@@ -124,11 +115,27 @@ def watching_dp(seen: list[DPReduction]):
         except Exception:
             return
         for p, grad, b in taken:  # b: the gradient a step that was not zeroed left, into which FSDP2 adds
-            now = _sharded_grad(p)
+            now = torch_internals.sharded_grad(p)
             delta = None if now is None or (b is not None and b.shape != now.shape) else \
                 now.detach().clone() if b is None else now.detach() - b
-            seen.append(DPReduction(getattr(p, "_param_fqn", "") or "", grad, delta,
+            seen.append(DPReduction(torch_internals.param_name(p), grad, delta,
                                     None if delta is None else now.detach().clone(), shards, replicas,
                                     given.get("gradient_divide_factor")))
 
-    return taps.replaced(group_module, "foreach_reduce", lambda reduce: taps.around(reduce, before, after))
+    return taps.replaced(owner, name, lambda reduce: taps.around(reduce, before, after))
+
+
+def unobservable(case) -> list[str]:
+    """What the taps above cannot see on this torch, for a case that would take their sites
+    (a run under FSDP2): said in the report, where no check could be made."""
+    from tpdp_verify.cases.training import FSDP2_ENTRIES
+
+    if case.entry not in FSDP2_ENTRIES:
+        return []
+    out = []
+    for name, needed in (("grad step", True), ("dp reduce", case.dp > 1)):
+        try:
+            torch_internals.site(name) if needed else None
+        except torch_internals.Unobservable as exc:
+            out.append(f"{exc}: its check is not made")
+    return out

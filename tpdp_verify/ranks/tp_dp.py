@@ -20,7 +20,7 @@ from tpdp_verify.ranks.loop import (Run, Trace, build, checkpoint_blocks, fixtur
                                     user_named)
 from tpdp_verify.ranks.pieces import cut
 from tpdp_verify.ranks.pool import caught
-from tpdp_verify.ranks.reductions import DPReduction, Reduction, watching, watching_dp
+from tpdp_verify.ranks.reductions import DPReduction, Reduction, unobservable, watching, watching_dp
 
 def rows(case: TrainCase, dp_rank: int) -> slice:
     return slice(dp_rank * case.local_batch, (dp_rank + 1) * case.local_batch)
@@ -238,7 +238,8 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
         with watching(reduced), over_dp:
             trace = train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
     trace.reductions, trace.dp_reductions = reduced, reduced_over_dp
-    trace.exercised |= {"reduced by tp": reduced_by_tp(before), "precision": precision(wrapped.model)}
+    trace.exercised |= {"reduced by tp": reduced_by_tp(before), "precision": precision(wrapped.model),
+                        "unobservable": unobservable(case)}
     return trace
 
 

@@ -32,47 +32,49 @@ def batch() -> torch.Tensor:
     return torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(0))
 
 
-def one_device() -> list:
-    """Each tp rank's bfloat16 partial gradient of the norm's weight: its half of the sequence."""
-    partials = []
-    for x in batch().bfloat16().chunk(WORLD, dim=1):
-        weight = torch.ones(HIDDEN, dtype=torch.bfloat16, requires_grad=True)
-        nn.functional.rms_norm(x, (HIDDEN,), weight).float().square().sum().backward()
-        partials.append(weight.grad)
-    return partials
-
-
 def on_rank(rank: int) -> tuple[list, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class AllReduceDtypes(TorchDispatchMode):
+    class AllReduces(TorchDispatchMode):
+        """What this rank hands each all-reduce: its partial sum, in the dtype it is summed in."""
         seen: list = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if "all_reduce" in str(func):
-                self.seen.append(str(args[0].dtype).removeprefix("torch."))
+                self.seen.append((str(args[0].dtype).removeprefix("torch."), args[0].float().tolist()))
             return func(*args, **(kwargs or {}))
 
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     norm = parallelize_module(nn.RMSNorm(HIDDEN), mesh["tp"], SequenceParallel())
     fully_shard(norm, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**POLICY))
     out = norm(batch().chunk(WORLD, dim=1)[rank])  # this rank's half of the sequence
-    with AllReduceDtypes():
+    with AllReduces():
         out.to_local().float().square().sum().backward()
-    return norm.weight.grad.full_tensor().tolist(), AllReduceDtypes.seen  # plain values: the rank exits once it answers
+    return norm.weight.grad.full_tensor().tolist(), AllReduces.seen  # plain values: the rank exits once it answers
 
 
-def describe(partials: list) -> str:
-    return ("reduce_dtype=float32 sums the SequenceParallel norm's bfloat16 partial gradients over tp "
-            f"in float32: {fmt(sum(p.float() for p in partials))}")
+def partials(answers: list) -> list:
+    """Each tp rank's partial gradient of the norm's weight (its half of the sequence), as it
+    handed it to the all-reduce over tp, in the dtype it had there."""
+    return [torch.tensor(seen[0][1]).to(getattr(torch, seen[0][0])) for _, seen in answers]
 
 
-def judge(partials: list, answers: list) -> tuple[str, bool]:
-    expected, in_bf16 = sum(p.float() for p in partials), sum(partials).float()
-    grad, dtypes = torch.tensor(answers[0][0]), answers[0][1]
+def describe(answers: list) -> str:
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in partials(answers)})
+    return (f"reduce_dtype=float32 sums the SequenceParallel norm's {', '.join(dtypes)} partial gradients over "
+            f"tp in float32: {fmt(sum(p.float() for p in partials(answers)))}")
+
+
+def judge(answers: list) -> tuple[str, bool]:
+    """Present where the sum departs from the float32 sum of what the ranks handed over by
+    more than float32's rounding: a sum in bfloat16 is 2^-9 of it off (the values a torch
+    computes its partials in are its own; 2.15 hands them over in float32)."""
+    summed = partials(answers)
+    expected, in_bf16 = sum(p.float() for p in summed), sum(p.bfloat16() for p in summed).float()
+    grad, dtypes = torch.tensor(answers[0][0]), [d for d, _ in answers[0][1]]
     error = (grad - expected).abs().max().item()
     how = " (their bfloat16 sum)" * torch.equal(grad, in_bf16)
     return (f"FSDP2 all-reduces them over tp in {', '.join(dtypes)}: {fmt(grad)}{how}, "
@@ -85,12 +87,12 @@ def fmt(t: torch.Tensor) -> str:
 
 
 def main() -> int:
-    expected = one_device()
     results = run_ranks()
     if (code := bail_out(results)) is not None:
         return code
-    actual, present = judge(expected, [value for _, value in results.values()])
-    print(f"expected: {describe(expected)}")
+    answers = [value for _, value in results.values()]
+    actual, present = judge(answers)
+    print(f"expected: {describe(answers)}")
     print(f"actual:   {actual}")
     print("fault present" if present else "fault absent")
     return int(present)

@@ -1,0 +1,120 @@
+"""What tpdp-verify reads of torch's private state, in one place.
+
+The ranks watch torch where no public API shows what a check needs: FSDP2's units, their
+mixed-precision policies and the sites where FSDP2 reduces gradients. Each read here knows
+what each release calls the thing it reads. Where a release has none of the names known,
+the read raises ``Unobservable``, whose text says what cannot be observed on this torch;
+a check that needs it says so in its detail, never as an internal error of the harness.
+Reads that only name or count what a run exercised return nothing instead.
+
+Releases measured: 2.11 to 2.15 (docs/performance.md, "Other releases"). Adding one that
+renames a thing means a line here, not a hunt through the ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterator
+
+
+class Unobservable(LookupError):
+    """This torch keeps none of the names tpdp-verify knows for a thing a check reads."""
+
+    def __init__(self, what: str, tried: str):
+        import torch
+
+        super().__init__(f"cannot observe {what} on torch {torch.__version__}: it has no {tried}")
+        self.what = what
+
+
+def _first(obj: Any, names: tuple[str, ...], what: str) -> Any:
+    for name in names:
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    raise Unobservable(what, f"{type(obj).__name__}.{' or .'.join(names)}")
+
+
+# --------------------------------------------------------------------------- FSDP2's units
+
+
+def fsdp2_states(model) -> Iterator[Any]:
+    """The FSDP2 state of each unit in ``model`` (fully_shard's and the FSDP2-based replicate's)."""
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if callable(state):
+            yield state()
+
+
+def fsdp2_param_groups(state) -> tuple:
+    """A unit's parameter groups (a list on the releases measured; one group where a torch keeps one)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return tuple(state._fsdp_param_groups)
+    group = _first(state, ("_fsdp_param_group",), "FSDP2's parameter groups")
+    return () if group is None else (group,)
+
+
+def fsdp2_policies(group) -> list:
+    """The MixedPrecisionPolicy of a parameter group: the group's own (to 2.14), each
+    parameter's resolved policy (2.15 resolves one a parameter, FSDPParam.mp_policy)."""
+    if hasattr(group, "mp_policy"):
+        return [group.mp_policy]
+    params = _first(group, ("fsdp_params",), "FSDP2's mixed-precision policy")
+    return [_first(p, ("mp_policy",), "FSDP2's mixed-precision policy") for p in params]
+
+
+def spmd_dp_dims(group):
+    """The dp dims of a group given the whole SPMD mesh (``dp_mesh_dims``), else None."""
+    info = getattr(group, "mesh_info", None)
+    return info.dp_mesh_dims if getattr(info, "is_spmd_mesh", False) else None
+
+
+def param_name(fsdp_param) -> str:
+    """A parameter's name from the root module, as FSDP2 keeps it ("" where it keeps none)."""
+    return getattr(fsdp_param, "_param_fqn", "") or ""
+
+
+def sharded_grad(fsdp_param):
+    """The local tensor of a parameter's sharded gradient; None where it has none."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grad = getattr(getattr(fsdp_param, "sharded_param", None), "grad", None)
+    grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+    return grad if isinstance(grad, torch.Tensor) else None
+
+
+def shard_dim(fsdp_param) -> int | None:
+    """The dim FSDP2 shards a parameter on over dp (None: not known on this torch)."""
+    placement = getattr(fsdp_param, "fsdp_placement", None)
+    return getattr(placement, "dim", None)
+
+
+# --------------------------------------------------------------------------- FSDP2's sites
+
+# (module, attribute): where FSDP2 does a step the ranks watch or the reference replaces,
+# by release; the first that exists is the site
+SITES = {
+    # a parameter's unsharded gradient to the local tensor reduced over dp (TP's partial sums
+    # are all-reduced there first)
+    "grad step": (("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._get_grad_inner_tensor"),),
+    # DP's reduce-scatter (and HSDP's all-reduce), as the param group calls it
+    "dp reduce": (("torch.distributed.fsdp._fully_shard._fsdp_param_group", "foreach_reduce"),),
+    # the same function where it is defined, for its signature
+    "dp reduce (defined)": (("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce"),),
+}
+
+
+def site(name: str) -> tuple[Any, str]:
+    """(owner, attribute) of FSDP2's step ``name`` on this torch (SITES), for a tap or a
+    replacement to set and put back; Unobservable where this torch has none."""
+    for module, attribute in SITES[name]:
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            continue
+        *path, last = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, last):
+            return owner, last
+    raise Unobservable(f"FSDP2's {name}", " or ".join(f"{m}.{a}" for m, a in SITES[name]))
