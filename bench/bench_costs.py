@@ -48,6 +48,9 @@ PARENT_PHASES = {
                 ("tpdp_verify.judging.reductions", "judge_reductions"),
                 ("tpdp_verify.judging.reductions", "judge_dp_reductions")],
     "wait on the ranks": [("tpdp_verify.ranks.pool", "RankPool.run")],
+    # a fresh generation of ranks: after a call that raised on a rank (RankPool.run), a hang or
+    # a death, and for the memory cap; inside the wait
+    "rank start": [("tpdp_verify.ranks.pool", "RankPool._start")],
 }
 TAPS = ("watching", "around")  # they return wrappers: the time is the wrappers' calls'
 
@@ -68,6 +71,7 @@ def _timed(fn, name: str, totals: dict, nested: set):
         finally:
             nested.discard(name)
             totals[name] += time.perf_counter() - start
+            totals[f"{name} #"] += 1  # how many: the table's counts
 
     return timed
 
@@ -100,7 +104,7 @@ def instrument(phases: dict, totals: dict) -> None:
                 continue
             wrap = _tap_timed if last in TAPS else _timed
             replacement = wrap(original, name, totals, nested)
-            for m in list(sys.modules.values()):
+            for m in [m for n, m in list(sys.modules.items()) if n.startswith("tpdp_verify")]:  # who binds them
                 for key, value in list(getattr(m, "__dict__", {}).items()):
                     if value is original:
                         setattr(m, key, replacement)
@@ -192,24 +196,24 @@ def main() -> int:
 
 
 COLUMNS = ("one-device run (dtype + float64)", "judging", "model build + TP", "DP wrap", "steps", "taps",
-           "checkpoint save/load", "rank call, other", "collectives and IPC", "drawing + hypothesis")
+           "checkpoint save/load", "rank call, other", "rank start", "collectives and IPC", "drawing + hypothesis")
 
 
 def table(rows: list, total: float, profile) -> str:
     """One row a search: its seconds and examples, and each phase's seconds; then totals."""
     out = [f"cost model: profile {profile.name} ({profile.max_examples} examples a search), "
            f"{len(rows)} searches in {total:.1f} s", "",
-           "| search | world | s | examples | " + " | ".join(COLUMNS) + " |",
-           "|---|---|---|---|" + "---|" * len(COLUMNS)]
+           "| search | world | s | examples | generations | " + " | ".join(COLUMNS) + " |",
+           "|---|---|---|---|---|" + "---|" * len(COLUMNS)]
     sums: dict = defaultdict(float)
     for o, seconds, p, r in rows:
         phases = split(seconds, p, r)
         for k, v in phases.items():
             sums[k] += v
         sums["s"] += seconds
-        out.append(f"| {o.property} | {o.world_size} | {seconds:.1f} | {o.stats.examples} | "
+        out.append(f"| {o.property} | {o.world_size} | {seconds:.1f} | {o.stats.examples} | {p.get('rank start #', 0):.0f} | "
                    + " | ".join(f"{phases[c]:.1f}" for c in COLUMNS) + " |")
-    out.append(f"| all | | {sums['s']:.1f} | | " + " | ".join(f"{sums[c]:.1f}" for c in COLUMNS) + " |")
+    out.append(f"| all | | {sums['s']:.1f} | | | " + " | ".join(f"{sums[c]:.1f}" for c in COLUMNS) + " |")
     ranked = sorted(COLUMNS, key=lambda c: -sums[c])
     out += ["", "largest phases: " + ", ".join(f"{c} {sums[c]:.0f} s ({sums[c] / max(sums['s'], 1e-9):.0%})"
                                                 for c in ranked[:4])]
@@ -224,14 +228,17 @@ def table(rows: list, total: float, profile) -> str:
 def split(seconds: float, p: dict, r: dict) -> dict:
     """A search's seconds by phase. The ranks' phases are nested in their calls, which are
     nested in the wait on them: collectives and IPC are the wait less the calls; what the
-    parent spends outside its phases is drawing and hypothesis."""
+    parent spends outside its phases is drawing and hypothesis. A rank stuck in a collective
+    for a rank that raised never ends its call: the wait for it (the error grace) is in
+    collectives and IPC."""
     wait, calls = p.get("wait on the ranks", 0.0), r.get("rank call (all)", 0.0)
     steps = r.get("steps", 0.0) - r.get("taps", 0.0)  # the taps run inside the steps
     out = {"one-device run (dtype + float64)": p.get("one-device run (dtype + float64)", 0.0),
            "judging": p.get("judging", 0.0), "model build + TP": r.get("model build + TP", 0.0),
            "DP wrap": r.get("DP wrap", 0.0), "steps": steps, "taps": r.get("taps", 0.0),
            "checkpoint save/load": r.get("checkpoint save/load", 0.0),
-           "collectives and IPC": max(0.0, wait - calls)}
+           "rank start": p.get("rank start", 0.0),
+           "collectives and IPC": max(0.0, wait - calls - p.get("rank start", 0.0))}
     named_on_ranks = sum(out[k] for k in ("model build + TP", "DP wrap", "steps", "taps", "checkpoint save/load"))
     out["drawing + hypothesis"] = max(0.0, seconds - wait - out["one-device run (dtype + float64)"] - out["judging"])
     out["rank call, other"] = max(0.0, calls - named_on_ranks)
