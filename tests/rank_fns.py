@@ -70,14 +70,6 @@ def everyone_catches():
     return dist.get_rank()
 
 
-def leave_no_group_then_raise(rank):
-    """``rank`` destroys its process group and raises: the fresh group the pool then asks
-    for fails there, so the pool must fall back to fresh ranks."""
-    if dist.get_rank() == rank:
-        dist.destroy_process_group()
-    raise ValueError(f"raised on {rank}")
-
-
 def lone_collective(rank):
     """``rank`` enters an all_reduce that no other rank joins: a real hang."""
     if dist.get_rank() == rank:

@@ -51,7 +51,7 @@ def test_mesh_that_does_not_fit_the_world_is_a_usage_error(pool):
 
 
 def test_exception_names_the_rank_and_carries_its_traceback(pool):
-    spawns, pids = pool.spawns, pool.pids
+    spawns = pool.spawns
     with pytest.raises(RankFailed) as info:
         pool.run(rank_fns.raise_on, 2)
     message = str(info.value)
@@ -59,9 +59,7 @@ def test_exception_names_the_rank_and_carries_its_traceback(pool):
     assert "Traceback" in message and "ValueError: boom on 2" in message
     assert set(info.value.tracebacks) == {2} and isinstance(info.value.exceptions[2], ValueError)
     assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
-    # a rank raised: the next run gets a fresh process group on the same ranks, which keep
-    # their warm caches (a fresh generation only where a rank is stuck: the tests below)
-    assert (pool.spawns, pool.pids) == (spawns, pids)
+    assert pool.spawns == spawns + 1  # a rank raised: the next run gets fresh ranks
 
 
 def test_a_collective_a_failed_run_left_behind_never_reaches_the_next_run(pool):
@@ -98,19 +96,11 @@ def test_a_rank_that_catches_while_others_wait_restarts_the_pool_before_the_time
     assert pool.spawns == spawns + 1
 
 
-def test_ranks_that_all_catch_return_their_results_and_the_next_run_gets_a_fresh_group(pool):
-    spawns, pids = pool.spawns, pool.pids
+def test_ranks_that_all_catch_return_their_results_and_the_next_run_gets_fresh_ranks(pool):
+    spawns = pool.spawns
     assert pool.run(rank_fns.everyone_catches) == [0, 1, 2, 3]
-    assert [t.item() for _, _, t in pool.run(rank_fns.rank_and_sum, 1)] == [6.0] * 4
-    assert (pool.spawns, pool.pids) == (spawns, pids)
-
-
-def test_a_fresh_group_that_cannot_be_made_gives_fresh_ranks(pool):
-    spawns, pids = pool.spawns, pool.pids
-    with pytest.raises(RankFailed):
-        pool.run(rank_fns.leave_no_group_then_raise, 1)
-    assert [t.item() for _, _, t in pool.run(rank_fns.rank_and_sum, 1)] == [6.0] * 4
-    assert pool.spawns == spawns + 1 and set(pool.pids).isdisjoint(pids)
+    assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
+    assert pool.spawns == spawns + 1
 
 
 @pytest.mark.timeout(60)

@@ -55,16 +55,12 @@ BASELINE_CALL = 20  # a generation's size is taken after this call: imports and 
 # the shortest hang timeout after a first hang (RankPool's after_hang): a first call after a
 # respawn (meshes, imports) takes a few seconds on 2 cores, a release case at world size 8 more
 HANG_FLOOR = 20.0
-# the most a fresh process group on live ranks may take (a rendezvous on loopback: about 10 ms
-# at world size 4); past it the ranks are replaced, as before there was a way to keep them
-REGROUP_TIMEOUT = 30.0
 
 # ---------------------------------------------------------------------------
 # Inside a rank: state and helpers that functions sent by ``run`` may use.
 # ---------------------------------------------------------------------------
 
 _MESHES: dict = {}
-_GROUP: tuple = ()  # (store, backend, rank, world size, timeout): what a fresh group is made from (_regroup)
 _DEVICE_TYPE = "cpu"
 
 # What a rank imports before its first call, once, in the fork server the ranks fork from.
@@ -191,22 +187,6 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
     return mesh
 
 
-def _regroup(generation: int) -> None:
-    """A fresh process group on the same ranks, every rank together: after a call that
-    raised on some rank, the group may hold bytes one rank sent and another never read,
-    which the next collective would take for its own. A new group has sockets of its own;
-    the ranks keep their imports and torch's caches, which a fresh generation of ranks
-    would spend a case or two warming again (a call on cold ranks takes about three times
-    as long: docs/performance.md, "Where the ci profile's time goes")."""
-    import torch.distributed as dist
-
-    store, backend, rank, world_size, timeout = _GROUP
-    dist.destroy_process_group()  # the default group and every subgroup, the meshes' too
-    _MESHES.clear()
-    dist.init_process_group(backend, store=dist.PrefixStore(f"regroup-{generation}", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
-
-
 def caught(what: str, part: str = "") -> None:
     """Say, inside a rank, that this call caught an exception (``what``, and its signature
     part: tpdp_verify.signature) and returns it in its result, as a finding. Should other
@@ -309,7 +289,7 @@ def _exit_when_orphaned(lifeline) -> None:
 def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file, log_file=None,
                stdio=(1, 2)) -> None:
     """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
-    global _DEVICE_TYPE, _GROUP
+    global _DEVICE_TYPE
     if log_file:  # stdout and stderr, C++'s included (torch's warnings, gloo's logs), to the file
         fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -351,7 +331,6 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        _GROUP = (store, backend, rank, world_size, timeout)
         # What every reply needs (_portable), imported now, under the start-up timeout: on a
         # busy machine a generation's first call would otherwise spend seconds of its own
         # timeout importing DTensor, and a short timeout would call that a hang.
@@ -488,7 +467,6 @@ class _Ranks:
         self.calls = 0  # calls this generation has answered
         self.baseline: dict[int, int] = {}  # rank -> resident bytes after call BASELINE_CALL
         self.outgrown = False  # a rank has grown past the pool's max_rss_growth
-        self.regroups = 0  # fresh process groups made on these ranks (RankPool._fresh_group)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, lifeline_w, True,
                                            self.stack_dir)
 
@@ -763,26 +741,10 @@ class RankPool:
                 raise
             self.slowest = max(self.slowest, time.monotonic() - start)
             if self._ranks.busy or _raised(replies):
-                self._fresh_group()
+                self._retire(graceful=False)
             elif self.max_rss_growth:
                 self._ranks.note(replies, self.max_rss_growth)
         return self._results(what, replies)
-
-    def _fresh_group(self) -> None:
-        """After a call that raised on some rank: a fresh process group on the same ranks
-        where every rank answered (gloo: a group is its sockets), else (a rank still stuck in
-        a collective, NCCL's kernels in flight, a regroup that fails) a fresh generation."""
-        ranks = self._ranks
-        if not ranks.busy and self.backend == "gloo":
-            ranks.regroups += 1
-            try:
-                replies = ranks.call(pickle.dumps((_regroup, (ranks.regroups,))), "a fresh process group",
-                                     min(self.timeout, REGROUP_TIMEOUT), 0.0)
-                if not ranks.busy and not _raised(replies):
-                    return
-            except PoolError:
-                pass
-        self._retire(graceful=False)
 
     def _timeout(self) -> float:
         if not (self.hung and self.after_hang):
