@@ -114,6 +114,30 @@ def instrument(phases: dict, totals: dict) -> None:
             setattr(owner, last, replacement)
 
 
+def time_the_grace(totals: dict) -> None:
+    """After a rank raises, the others get the error grace: they are waited for until they
+    answer or sit idle in a collective (IDLE_WINDOW without CPU), then killed. The wait from
+    the first error to a reply marked stuck is the "error grace" phase (inside the wait)."""
+    import tpdp_verify.ranks.pool as pool
+
+    since: list = []
+    idleness_init, collect = pool._Idleness.__init__, pool._Ranks.collect
+
+    def noted(self, *args, **kwargs):
+        since.append(time.perf_counter())
+        idleness_init(self, *args, **kwargs)
+
+    def collected(self, *args, **kwargs):
+        since.clear()
+        replies = collect(self, *args, **kwargs)
+        if since and any(r[0] == "stuck" for r in replies.values()):
+            totals["error grace"] += time.perf_counter() - since[0]
+            totals["error grace #"] += 1
+        return replies
+
+    pool._Idleness.__init__, pool._Ranks.collect = noted, collected
+
+
 def _in_a_rank() -> None:
     """Runs as each rank imports this file (``__mp_main__``): time the rank phases, and write
     this rank's totals after every call."""
@@ -125,7 +149,6 @@ def _in_a_rank() -> None:
     import tpdp_verify.ranks.tp_dp  # noqa: F401
 
     totals: dict = defaultdict(float)
-    reply = pool._reply
     instrument(RANK_PHASES, totals)
     timed_reply = pool._reply
     where = Path(os.environ[RECORD]) / f"rank-{os.getpid()}.json"
@@ -137,14 +160,12 @@ def _in_a_rank() -> None:
             where.write_text(json.dumps(totals))
 
     pool._reply = recorded
-    del reply
 
 
 def rank_totals(directory: Path) -> dict:
-    """Each phase's seconds summed over every rank that wrote, and how many ranks wrote."""
+    """Each phase's seconds summed over every rank that wrote (every generation's)."""
     out: dict = defaultdict(float)
-    files = list(directory.glob("rank-*.json"))
-    for f in files:
+    for f in directory.glob("rank-*.json"):
         with contextlib.suppress(ValueError, OSError):
             for k, v in json.loads(f.read_text()).items():
                 out[k] += v
@@ -178,6 +199,7 @@ def main() -> int:
     import tpdp_verify.judging.verdict  # noqa: F401
     import tpdp_verify.oracles.verdicts  # noqa: F401
     instrument(PARENT_PHASES, parent)
+    time_the_grace(parent)
     baseline = Baseline("2.13.0", install=False, memo_path=Path(tempfile.mkdtemp()) / "memo.json")
     rows, start = [], time.monotonic()
     with tempfile.TemporaryDirectory() as record:
@@ -196,24 +218,26 @@ def main() -> int:
 
 
 COLUMNS = ("one-device run (dtype + float64)", "judging", "model build + TP", "DP wrap", "steps", "taps",
-           "checkpoint save/load", "rank call, other", "rank start", "collectives and IPC", "drawing + hypothesis")
+           "checkpoint save/load", "rank call, other", "rank start", "error grace", "collectives and IPC",
+           "drawing + hypothesis")
 
 
 def table(rows: list, total: float, profile) -> str:
     """One row a search: its seconds and examples, and each phase's seconds; then totals."""
     out = [f"cost model: profile {profile.name} ({profile.max_examples} examples a search), "
            f"{len(rows)} searches in {total:.1f} s", "",
-           "| search | world | s | examples | generations | " + " | ".join(COLUMNS) + " |",
-           "|---|---|---|---|---|" + "---|" * len(COLUMNS)]
+           "| search | world | s | examples | generations | stuck | " + " | ".join(COLUMNS) + " |",
+           "|---|---|---|---|---|---|" + "---|" * len(COLUMNS)]
     sums: dict = defaultdict(float)
     for o, seconds, p, r in rows:
         phases = split(seconds, p, r)
         for k, v in phases.items():
             sums[k] += v
         sums["s"] += seconds
-        out.append(f"| {o.property} | {o.world_size} | {seconds:.1f} | {o.stats.examples} | {p.get('rank start #', 0):.0f} | "
+        out.append(f"| {o.property} | {o.world_size} | {seconds:.1f} | {o.stats.examples} | {p.get('rank start #', 0):.0f} "
+                   f"| {p.get('error grace #', 0):.0f} | "
                    + " | ".join(f"{phases[c]:.1f}" for c in COLUMNS) + " |")
-    out.append(f"| all | | {sums['s']:.1f} | | | " + " | ".join(f"{sums[c]:.1f}" for c in COLUMNS) + " |")
+    out.append(f"| all | | {sums['s']:.1f} | | | | " + " | ".join(f"{sums[c]:.1f}" for c in COLUMNS) + " |")
     ranked = sorted(COLUMNS, key=lambda c: -sums[c])
     out += ["", "largest phases: " + ", ".join(f"{c} {sums[c]:.0f} s ({sums[c] / max(sums['s'], 1e-9):.0%})"
                                                 for c in ranked[:4])]
@@ -237,8 +261,8 @@ def split(seconds: float, p: dict, r: dict) -> dict:
            "judging": p.get("judging", 0.0), "model build + TP": r.get("model build + TP", 0.0),
            "DP wrap": r.get("DP wrap", 0.0), "steps": steps, "taps": r.get("taps", 0.0),
            "checkpoint save/load": r.get("checkpoint save/load", 0.0),
-           "rank start": p.get("rank start", 0.0),
-           "collectives and IPC": max(0.0, wait - calls - p.get("rank start", 0.0))}
+           "rank start": p.get("rank start", 0.0), "error grace": p.get("error grace", 0.0),
+           "collectives and IPC": max(0.0, wait - calls - p.get("rank start", 0.0) - p.get("error grace", 0.0))}
     named_on_ranks = sum(out[k] for k in ("model build + TP", "DP wrap", "steps", "taps", "checkpoint save/load"))
     out["drawing + hypothesis"] = max(0.0, seconds - wait - out["one-device run (dtype + float64)"] - out["judging"])
     out["rank call, other"] = max(0.0, calls - named_on_ranks)
