@@ -178,7 +178,9 @@ def _quiet(args: argparse.Namespace) -> str | None:
 
 
 def _said_where(logs: str | None) -> None:
-    if logs and os.listdir(logs):
+    from tpdp_verify.files import LIVE
+
+    if logs and set(os.listdir(logs)) - {LIVE}:  # the run's lock is no output
         print(f"\nthe ranks' output (torch's warnings, C++ logs; -v shows it): {logs}")
 
 
