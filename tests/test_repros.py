@@ -49,3 +49,27 @@ def test_the_reproduction_shows_its_fault_on_the_pinned_torch(fault, tmp_path):
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
     assert lines[0].startswith("expected: ") and lines[1].startswith("actual:   "), done.stdout
     assert lines[-1] == "fault present", done.stdout
+
+
+def test_fault_16s_reproduction_judges_the_sum_of_what_the_ranks_hand_over():
+    """2.15.0 hands FSDP2's all-reduce over tp float32 partial gradients and sums them in
+    float32: absent there, as the gate says (FIXED). 2.13.0 hands over bfloat16 ones and sums
+    them in bfloat16: present. The reproduction once judged against bfloat16 partials it
+    computed itself, and called 2.15.0's exact float32 sum a fault."""
+    import importlib.util
+
+    import torch
+
+    path = next(f.repro_path for f in faults.CATALOG if f.number == 16)
+    spec = importlib.util.spec_from_file_location("f16", path)
+    f16 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(f16)
+    partials = [torch.tensor([12.1961, 21.9072]), torch.tensor([12.0003, 21.9072])]
+
+    def answers(dtype):  # (the full gradient, what each rank handed its all-reduce)
+        summed = sum(p.to(dtype) for p in partials).float().tolist()
+        return [(summed, [(str(dtype).removeprefix("torch."), p.to(dtype).float().tolist())]) for p in partials]
+
+    assert f16.judge(answers(torch.float32))[1] is False
+    said, present = f16.judge(answers(torch.bfloat16))
+    assert present and "in bfloat16" in said and "(their bfloat16 sum)" in said
