@@ -55,8 +55,8 @@ class Fault:
 
     @property
     def releases(self) -> tuple[str, ...]:
-        """The releases whose run of the reproduction shows it (tpdp_verify.faults.releases)."""
-        from tpdp_verify.faults.releases import showing
+        """The releases whose run of the reproduction shows it (tpdp_verify.faults.shown)."""
+        from tpdp_verify.faults.shown import showing
 
         return showing(self.number)
 

@@ -1,10 +1,9 @@
 """Which torch releases show each catalogued fault: what each reproduction did when run on each.
 
 The catalog names the releases that show a fault from a run of its reproduction there, never
-from a guess: ``shown.json`` holds each release's exit code a fault (1: present, 0: absent,
-else the reproduction could not tell), and ``Fault.releases`` reads it. The job that fills it
-runs outside ``make test`` (each release is a throw-away environment of several GB;
-docs/performance.md, "Other releases"):
+from a guess: ``shown.json`` holds each release's exit code a fault (tpdp_verify.faults.shown,
+which ``Fault.releases`` reads). This job fills it; it runs outside ``make test`` (each
+release is a throw-away environment of several GB; docs/performance.md, "Newer releases"):
 
     python -m tpdp_verify.faults.releases /path/to/venv-2.15.0/bin/python [PYTHON ...]
 
@@ -15,28 +14,10 @@ interpreter's torch release, keeping every other release's record.
 from __future__ import annotations
 
 import json
-import re
 import sys
-from pathlib import Path
 
+from tpdp_verify.faults.shown import SHOWN
 from tpdp_verify.files import write_whole
-
-SHOWN = Path(__file__).parent / "shown.json"
-
-
-def recorded() -> dict[str, dict[str, int | None]]:
-    """release -> {fault number: the reproduction's exit code there (None: it did not finish)}."""
-    return json.loads(SHOWN.read_text())["releases"]
-
-
-def showing(number: int) -> tuple[str, ...]:
-    """The releases whose run of fault ``number``'s reproduction shows it (exit 1), oldest first."""
-    return tuple(r for r, codes in sorted(recorded().items(), key=lambda kv: _order(kv[0]))
-                 if codes.get(str(number)) == 1)
-
-
-def _order(release: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", release)[:3])
 
 
 def record(python: str, progress=print) -> tuple[str, dict[str, int | None]]:
