@@ -14,15 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The gate exits 1 when it finds a divergence in torch: that is a result the demo shows,
-# not a failure of the demo. Usage (2) and infrastructure (3) errors still fail it.
+# not a failure of the demo. Usage (2) and infrastructure (3) errors still fail it. The gate
+# says its own next steps (the baseline, explain); the demo adds the one for a user's plan.
 demo: $(STAMP)
 	@$(BIN)/tpdp-verify gate --profile smoke; rc=$$?; \
 	if [ $$rc -eq 1 ]; then echo "demo: the gate found divergences in torch (above); exit code 1 is that verdict"; fi; \
-	echo; echo "next:"; \
-	echo "  $(BIN)/tpdp-verify gate --profile smoke --baseline torch==2.13.0   # which are torch 2.13.0's own (exit 0)"; \
-	echo "  $(BIN)/tpdp-verify explain 1   # a fault named above: what goes wrong, the workaround (report 1: an upstream issue)"; \
-	echo "  $(BIN)/tpdp-verify plan MODULE:MAKE_MODEL --plan MODULE:PLAN --input MODULE:INPUTS   # your TP plan"; \
-	echo "  docs/user-guide.md (your plan), docs/cli.md (the gate), docs/known-divergences.md (torch's faults)"; \
+	echo "your own TP plan: $(BIN)/tpdp-verify plan MODULE:MAKE_MODEL --plan MODULE:PLAN --input MODULE:INPUTS (docs/user-guide.md)"; \
 	test $$rc -eq 0 -o $$rc -eq 1
 
 test: $(STAMP)

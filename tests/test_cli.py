@@ -113,6 +113,21 @@ def test_the_readmes_sample_of_make_demo_is_what_the_gate_prints(torch_gate):
     assert len(shown) >= 8 and [x for x in shown if numbers_aside(x) not in printed] == []
 
 
+def test_the_gate_says_its_next_steps_in_lines_that_fit_a_terminal(torch_gate):
+    """After findings and no baseline, the gate itself names the command that tells torch's
+    known faults from new ones and the fault to explain; finding lines fit the terminal (the
+    full text is the report's), and check names are spelled as written."""
+    out = torch_gate[0].stdout
+    steps = out.split("\nnext:\n", 1)[1].splitlines()
+    assert steps[0].startswith("  python -m tpdp_verify gate --profile smoke --baseline torch==2.13.0 "), steps
+    assert re.match(r"  python -m tpdp_verify explain \d+ ", steps[1]), steps
+    findings = out.split("findings (their cases and replays in the full report):\n", 1)[1].split("\nverdict:")[0]
+    width = int(os.environ.get("COLUMNS", 100))
+    assert findings and max(map(len, findings.splitlines())) <= width, findings
+    assert "t's shard" in findings and "t s shard" not in findings
+    assert "next:" not in gate("--profile", "smoke", "-k", "chunk_dtensor_layout and world2").stdout  # a pass
+
+
 @pytest.mark.timeout(900)
 def test_gate_against_torch_reports_the_divergence_and_a_replay_that_fails_the_same_way(
         torch_gate, passes, tmp_path):
@@ -402,7 +417,7 @@ def test_plan_writes_junit_and_markdown_that_agree_with_its_json(tmp_path):
                "--steps", "1", "--impl", "reference", *(a for fmt, path in files.items() for a in (f"--{fmt}", path)))
     assert out.returncode == 1 and out.stderr == "", out.stderr[-2000:]
     record = json.loads(Path(files["json"]).read_text())
-    assert (record["command"], record["exit_code"], record["status"]) == ("plan", 1, "DIVERGES")
+    assert (record["command"], record["exit_code"], record["status"]) == ("plan", 1, "diverges")
     assert record["torch"] and record["schema"] >= 2
     failed = {c["check"] for c in record["checks"] if c["ok"] is False}
     suite = ET.parse(files["junit"]).getroot().find("testsuite")
@@ -416,7 +431,7 @@ def test_plan_reports_a_rank_that_raises_in_the_model_with_exit_1_and_its_json(t
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout.split("\n--- rank")[0] and out.stderr == "", out.stderr[-2000:]
     assert "every rank trains without an exception (rank 1): in the forward of boom: RuntimeError: boom on rank 1" in out.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["status"] == "DIVERGES"
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "diverges"
 
 
 def test_version_names_tpdp_verify_and_torch():
@@ -478,3 +493,38 @@ def test_a_usage_error_still_writes_the_outputs_asked_for(tmp_path):
     record = json.loads(files["json"].read_text())
     assert record["exit_code"] == 2 and record["usage_error"] in out.stderr
     assert 'type="usage"' in files["junit"].read_text() and "usage error" in files["markdown"].read_text()
+
+
+@pytest.mark.parametrize("refused", [["plan", "m:f", "--plan", "m:p", "--input", "m:i", "--mesh", "2by2"],
+                                     ["gate", "--profile", "nightly"], ["gate", "--no-such-option"]])
+def test_an_argument_the_parser_refuses_still_writes_the_outputs_asked_for(tmp_path, capsys, refused):
+    """argparse's own refusals (a bad --mesh, a choice, an unknown option) exit 2 as any usage
+    error does, with --json FILE and --junit=FILE written, saying what was refused."""
+    from tpdp_verify import cli as cli_mod
+
+    json_path, junit_path = tmp_path / "out.json", tmp_path / "out.xml"
+    code = cli_mod.main([*refused, "--json", str(json_path), f"--junit={junit_path}"])
+    err = capsys.readouterr().err
+    record = json.loads(json_path.read_text())
+    assert code == 2 and record["exit_code"] == 2 and record["command"] == refused[0], record
+    assert record["usage_error"].split(":")[0] in err and "--help" in record["usage_error"]
+    assert 'type="usage"' in junit_path.read_text()
+
+
+def test_no_command_leaves_anything_in_the_temp_dir(tmp_path):
+    """Each command run as a user runs it (the console script, which exits without Python's
+    clean-up): multiprocessing's pymp-* directory and torch inductor's cache directory used
+    to stay in the temp dir after every run."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    script = Path(sys.executable).parent / "tpdp-verify"
+    runs = [["gate", "--profile", "smoke", "-k", "chunk_dtensor_layout and world2"],
+            ["plan", "user_models:make_mlp", "--plan", "user_models:PLAN", "--input", "user_models:vectors",
+             "--steps", "1"], ["explain", "1"], ["env"], ["memo"], ["gate", "--mesh"]]
+    for args in runs:
+        out = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=USER_MODELS)
+        assert out.returncode in (0, 2), (args, out.stdout, out.stderr)
+        assert sorted(p.name for p in temp.iterdir()) == [], args

@@ -123,7 +123,7 @@ def test_an_interrupted_plan_writes_that_it_has_no_verdict_and_stops_its_ranks(t
     assert wait_gone(tree) == [] and outside == {}
     record = json.loads(files["json"].read_text())
     assert (record["status"], record["ok"], record["exit_code"], record["interrupted"]) == \
-        ("INTERRUPTED", False, 130, {"signal": "SIGINT"})
+        ("interrupted", False, 130, {"signal": "SIGINT"})
     assert record["case"]["model"] == "user_models:make_hanging" and record["checks"] == []
     suite = ET.parse(files["junit"]).getroot().find("testsuite")
     assert (suite.get("tests"), suite.get("errors")) == ("1", "1")

@@ -96,7 +96,7 @@ def test_the_installed_wheel_verifies_a_plan_from_outside_the_repository(wheel, 
                      "if __name__ == '__main__':\n"
                      "    report = verify_plan(make_model, PLAN, input_fn=inputs)\n"
                      "    print(report.status)")
-    assert python_api.returncode == 0 and python_api.stdout.splitlines()[-1] == "PASS", python_api.stderr[-2000:]
+    assert python_api.returncode == 0 and python_api.stdout.splitlines()[-1] == "pass", python_api.stderr[-2000:]
     cli = run(str(venv / "bin" / "tpdp-verify"), "plan", "mlp:make_model", "--plan", "mlp:PLAN", "--input", "mlp:inputs")
     assert cli.returncode == 0 and ": PASS" in cli.stdout.splitlines()[0], cli.stdout[-2000:] + cli.stderr[-2000:]
     explain = run(str(venv / "bin" / "tpdp-verify"), "explain", "15")

@@ -57,12 +57,12 @@ def test_with_no_dp_argument_a_correct_plan_passes_on_the_pinned_torch(pool):
     exactly; under DDP it cannot pass (fault 1), and the report's first lines say so, with
     the entry point that avoids it."""
     report = verify_plan(um.make_mlp, um.PLAN, input_fn=um.vectors, mesh=(1, 2), steps=2, pool=pool, impl="torch")
-    assert report.status == "PASS", str(report)
+    assert report.status == "pass", str(report)
     assert "dp=fsdp2" in str(report).splitlines()[0]
     under_ddp = verify_plan(um.make_mlp, um.PLAN, input_fn=um.vectors, mesh=(1, 2), steps=1, pool=pool,
                             impl="torch", dp="ddp")
     first = str(under_ddp).splitlines()[2]
-    assert under_ddp.status == "DIVERGES" and "every departure below matches torch's catalogued fault 1, DDP " \
+    assert under_ddp.status == "diverges" and "every departure below matches torch's catalogued fault 1, DDP " \
         "transform unregisters TP parameters" in first, str(under_ddp)
     assert "--dp fsdp2" in first and "--baseline torch==2.13.0" in first
 
@@ -161,7 +161,7 @@ def test_a_parallelize_function_that_wraps_dp_itself_is_driven_as_it_wraps():
                       mesh=(2, 2), steps=2, accumulate=2, pool=four, impl="torch")
         ddp = verify(None, um.make_llama, parallelize_fn=parallelize_llama_ddp, input_fn=um.tokens, dp="own",
                      mesh=(2, 2), steps=1, pool=four, impl="torch", baseline="torch==2.13.0")
-    assert fsdp.status == "PASS", str(fsdp)
+    assert fsdp.status == "pass", str(fsdp)
     lines = {x.check: x for x in fsdp.lines}
     assert lines["plan keys resolve"].detail == "parallelize_fn sharded 12 parameters by TP and wrapped DP itself " \
         "(fully_shard)"
@@ -188,11 +188,11 @@ def test_a_parallelize_function_that_shards_over_the_whole_mesh_is_driven_in_the
                        pool=four, impl="torch")
         documented = verify(None, parallelize_fn=um.parallelize_spmd, dp="own", mesh=(2, 2), steps=2,
                             pool=four, impl="torch", baseline="torch==2.13.0")
-    assert fixed.status == "PASS", str(fixed)
+    assert fixed.status == "pass", str(fixed)
     lines = {x.check: x for x in fixed.lines}
     assert lines["plan keys resolve"].detail.endswith("wrapped DP itself (fully_shard(dp_mesh_dims=replicate))")
     assert lines["gradients vs one device"].compared > 0
-    assert documented.status == "DIVERGES" and not documented.ok, str(documented)
+    assert documented.status == "diverges" and not documented.ok, str(documented)
     assert any(n["part"] == "value:gradient" for n in json.loads(documented.to_json())["new"])
 
 
@@ -201,7 +201,7 @@ def test_a_function_wrapping_ddp_itself_is_assembled_from_its_local_shards(pool)
     the unsharded model's shapes, and every value compared."""
     report = verify(None, parallelize_fn=um.parallelize_with_ddp, dp="own", pool=pool, impl="torch",
                     baseline="torch==2.13.0")
-    assert report.status == "KNOWN", str(report)
+    assert report.status == "known", str(report)
     assert "wrapped DP itself (ddp_mesh)" in str(report)
     lines = {x.check: x for x in report.lines}
     assert lines["parameters after each step"].compared > 0 and lines["forward output"].failed == 0
@@ -220,7 +220,7 @@ def test_loss_parallel_takes_the_per_sample_loss_users_write_a_dtensor(pool):
 
 def test_an_exception_in_the_loss_is_located_there(pool):
     report = verify(loss_fn=um.loss_raising_on_rank_1, pool=pool, steps=1)
-    assert report.status == "DIVERGES"
+    assert report.status == "diverges"
     assert "in the per-sample loss (loss_fn): ValueError: the loss broke on rank 1" in str(report), str(report)
     check = json.loads(report.to_json())["checks"][1]
     assert (check["check"], check["ok"]) == ("trains without an exception", False)
@@ -230,7 +230,7 @@ def test_an_exception_in_the_loss_is_located_there(pool):
 def test_a_hang_in_the_users_forward_is_a_report_with_each_silent_ranks_stack(tmp_path):
     with RankPool(2, timeout=8.0) as short:
         report = verify(model_fn=um.make_hanging, pool=short, steps=1)
-    assert report.status == "DIVERGES"
+    assert report.status == "diverges"
     text = str(report)
     assert "did not answer within the 8 s timeout" in text and "in forward" in text, text
     assert "pending: torch/distributed/" in text
@@ -276,14 +276,14 @@ def test_parallelize_function_mistakes_are_one_line(pool, kwargs, expected):
 @pytest.mark.parametrize("dp", ["ddp", "ddp_mesh"])
 def test_a_correct_plan_passes_on_torch_with_the_shipped_baseline_its_known_faults_labelled(pool, dp):
     bare = verify(pool=pool, impl="torch", dp=dp)
-    assert bare.status == "DIVERGES"  # torch 2.13's DDP transform loses the TP parameters' registry
+    assert bare.status == "diverges"  # torch 2.13's DDP transform loses the TP parameters' registry
     report = verify(pool=pool, impl="torch", dp=dp, baseline="torch==2.13.0")
-    assert report.status == "KNOWN" and report.ok, str(report)
+    assert report.status == "known" and report.ok, str(report)
     text, data = str(report), json.loads(report.to_json())
     assert "PASS but for known torch faults (torch==2.13.0)" in text.splitlines()[0]
     # the evidence is the run's own: the reference transform in torch's place does not show it
     assert "parameters stay registered in order (vs one device): with tpdp-verify's reference transform" in text
-    assert data["status"] == "KNOWN" and data["new"] == [] and data["known"]
+    assert data["status"] == "known" and data["new"] == [] and data["known"]
     assert all(k["evidence"] == REFERENCE for k in data["known"])
     # named by the catalog, with its workaround
     assert "fault 1, DDP transform unregisters TP parameters: workaround: " in text, text
@@ -292,7 +292,7 @@ def test_a_correct_plan_passes_on_torch_with_the_shipped_baseline_its_known_faul
 
 def test_a_wrong_plan_diverges_with_the_baseline_too(pool):
     report = verify(um.SWAPPED, pool=pool, impl="torch", steps=1, baseline="torch==2.13.0")
-    assert report.status == "DIVERGES" and report.first_module == "up", str(report)
+    assert report.status == "diverges" and report.first_module == "up", str(report)
     # the swapped shards fail in DTensor's dispatch under the user's forward: the reference in
     # torch's place fails there too, so it is the plan's, whatever torch's faults beside it
     assert "the plan's departures (the run does not show them to be torch's)" in str(report), str(report)
@@ -405,7 +405,7 @@ def test_a_wrong_attention_head_split_is_the_plans_though_torch_departs_beside_i
     report = verify(um.llama_blocks, um.make_fixed_heads_llama, input_fn=um.tokens, dp="ddp", steps=1,
                     pool=pool, impl="torch", baseline="torch==2.13.0")
     data = json.loads(report.to_json())
-    assert report.status == "DIVERGES" and not report.ok, str(report)
+    assert report.status == "diverges" and not report.ok, str(report)
     assert any(n["part"] == "value:output" for n in data["new"]), data["new"]
     assert "the plan's departures (the run does not show them to be torch's): " in str(report)
     assert all(k["part"] != "value:output" for k in data["known"])
@@ -416,7 +416,7 @@ def test_the_same_plan_on_the_correct_model_passes_with_torchs_departures_attrib
     report = verify(um.llama_blocks, um.make_llama, input_fn=um.tokens, dp="ddp", steps=1, pool=pool,
                     impl="torch", baseline="torch==2.13.0")
     data = json.loads(report.to_json())
-    assert report.status == "KNOWN" and report.ok and data["new"] == [], str(report)
+    assert report.status == "known" and report.ok and data["new"] == [], str(report)
     assert data["known"] and all(k["evidence"] == REFERENCE for k in data["known"])
 
 

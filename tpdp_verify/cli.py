@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -15,14 +16,28 @@ import warnings
 from pathlib import Path
 
 from tpdp_verify import torch_release
-from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
+from tpdp_verify.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
 from tpdp_verify.files import write_whole
 from tpdp_verify.interrupts import Interrupted, caught
 from tpdp_verify.runner import profiles
 
 
+class _Refused(Exception):
+    """An argument the parser refused: raised, not exited on, so that the outputs asked for
+    are written with the error (``_refused``)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints and exits; the subcommands' parsers are of this class too
+        raise _Refused(self, message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tpdp-verify",
         description="Check that tensor parallelism composed with data parallelism trains "
         "exactly like the unsharded model.",
@@ -337,7 +352,8 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
 
     pool.warm_up()  # the ranks' torch imports while this process imports its own
     from tpdp_verify.runner import baseline
-    from tpdp_verify.runner.gate import InternalError, exit_code, iter_gate, summary
+    from tpdp_verify.runner.gate import InternalError, iter_gate, summary, verdict
+    from tpdp_verify.status import verdict_line
     from tpdp_verify.runner.suite import load as load_suite
 
     profile = run.profile
@@ -372,25 +388,70 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
         print(f"tpdp-verify: internal error: {exc}; the traceback is in {log}", file=sys.stderr)
         return EXIT_INFRA
     run.during = "report"
-    outcomes, judged = run.outcomes, run.judged
+    outcomes, judged, said_of_run = run.outcomes, run.judged, verdict(run.outcomes)
     seconds = time.monotonic() - start
 
     def said(full: bool) -> str:  # the full report for the file (and -v), the short one for a person
         text = summary(outcomes, profile, args.impl, seconds, suite.summary_lines(), full)
-        if judged is None:
-            return text
-        b = run.baseline
-        return text + "\n" * (1 + full) + baseline.report(judged, b.name, b.asking, b.unavailable, full)
+        if judged is not None:
+            b = run.baseline
+            text += "\n" * (1 + full) + baseline.report(judged, b.name, said_of_run, b.asking, b.unavailable, full)
+        return text + "\n" + verdict_line(said_of_run)
 
     print()
     print(said(full=bool(args.verbose)))
-    code = exit_code(outcomes)
+    print(_next_steps(args, outcomes), end="")
+    code = said_of_run.exit_code
     outputs.write(files, run.record(code))  # with divergences too: they are what CI shows
     if logs:
         write_whole(os.path.join(logs, "report.txt"), said(full=True) + "\n")
         print(f"\nthe full report (every finding's case and replay, what is not searched): {logs}/report.txt")
     _said_where(logs)
     return code
+
+
+def _next_steps(args: argparse.Namespace, outcomes: list) -> str:
+    """After findings judged by no baseline: the commands that tell torch's known faults from
+    new ones, and explain one the catalog names; "" otherwise."""
+    from tpdp_verify.runner.memo import SHIPPED
+
+    found = [f for o in outcomes for f in o.findings if f.blocks]
+    if args.baseline or not found:
+        return ""
+    releases = sorted((p.name[len("torch-"):-len(".json.gz")] for p in SHIPPED.glob("torch-*.json.gz")),
+                      key=lambda r: tuple(int(x) for x in r.split(".") if x.isdigit()))
+    release = releases[-1] if releases else "2.13.0"
+    named = sorted({x.number for f in found if f.explanation for x in f.explanation.faults})
+    given = {"--profile": args.profile, "-k": args.keyword, "--seed": args.seed, "--impl": args.impl,
+             "--suite": args.suite}
+    again = [x for option, value in given.items() if value is not None and value != _DEFAULTS.get(option)
+             for x in (option, shlex.quote(str(value)))]
+    me = _invoked()
+    lines = ["", "next:",
+             f"  {me} gate {' '.join(again + ['--baseline', f'torch=={release}'])}"
+             + f"   # known: torch {release} fails alike; the rest is new",
+             *([f"  {me} explain {named[0]}   # fault {named[0]}: what goes wrong, the workaround"] if named else []),
+             "  docs: docs/cli.md (the gate), docs/known-divergences.md (torch's faults)"]
+    return "\n".join(lines) + "\n"
+
+
+_DEFAULTS = {"--impl": "torch", "--suite": "tpdp_verify.properties"}
+
+
+def _invoked() -> str:
+    """This command as the user can type it again: ``tpdp-verify`` where that is on the
+    PATH, else the script's path (``.venv/bin/tpdp-verify`` after ``make demo``), or
+    ``python -m tpdp_verify``."""
+    import shutil
+
+    script = sys.argv[0]
+    if os.path.basename(script) != "tpdp-verify":
+        return "python -m tpdp_verify"
+    found = shutil.which("tpdp-verify")
+    if found and os.path.exists(script) and os.path.samefile(found, script):
+        return "tpdp-verify"
+    relative = os.path.relpath(script)
+    return script if relative.startswith("..") else relative
 
 
 def _memo_path(args: argparse.Namespace) -> Path | None:
@@ -509,7 +570,7 @@ def _run_plan(args: argparse.Namespace, files: dict[str, str], given: dict, star
                          backend=args.backend, timeout=args.timeout, baseline=args.baseline,
                          replay=_replay_line(), rank_output=logs)
     print(report)
-    code = EXIT_OK if report.ok else EXIT_DIVERGENCE
+    code = report.status.exit_code
     outputs.write(files, outputs.plan_record(report, code, started, time.monotonic() - start))
     _said_where(logs)
     return code
@@ -602,7 +663,17 @@ def _one_line(message, category, filename, lineno, file=None, line=None) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    from tpdp_verify.files import inductor_cache
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache())  # not left in the temp dir
+    try:
+        args = _parser().parse_args(argv)
+    except _Refused as exc:
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        _refused(argv, f"{exc}: {exc.parser.prog} --help lists the arguments")
+        return EXIT_USAGE
     try:
         # SIGINT and SIGTERM raise Interrupted (once): gate and plan write what they judged
         with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
@@ -645,10 +716,28 @@ def _usage_outputs(args: argparse.Namespace, message: str) -> None:
                 outputs.write({f"--{fmt}": path}, record)
 
 
+def _refused(argv: list[str], message: str) -> None:
+    """The outputs a refused command line asked for (``--json FILE``, ``--junit=FILE``), read
+    from it as given, saying it was refused: a CI job finds the error there, as for any other
+    usage error."""
+    command = next((a for a in argv if a in COMMANDS), "tpdp-verify")
+    asked = argparse.Namespace(command=command)
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=")
+        if option in ("--json", "--junit", "--markdown"):
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "")
+            setattr(asked, option[2:], value or None)
+    _usage_outputs(asked, message)
+
+
 def console() -> None:
     code = main()
     # Everything is written and every rank stopped: skip unloading torch's modules at exit,
-    # a second of a command that takes ten.
+    # a second of a command that takes ten. multiprocessing's exit finalizers still run:
+    # they remove the pymp-* directory its fork server's socket lives in.
+    from multiprocessing import util
+
+    util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -58,6 +58,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpdp-verify"
 
 
+def inductor_cache() -> str:
+    """Where torch's inductor keeps its cache in tpdp-verify's processes, unless the user names
+    one (TORCHINDUCTOR_CACHE_DIR): importing torch's optimizers makes it, in the temp dir by
+    default, and it stays there after every run."""
+    return str(cache_dir() / "torchinductor")
+
+
 def run_directory() -> str:
     """A fresh directory for one run's rank logs, under the cache's runs/ (named by when it
     started), held for as long as this process lives. The oldest beyond RUNS_KEPT are removed,

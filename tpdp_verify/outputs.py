@@ -20,16 +20,18 @@ from importlib import metadata
 from typing import Callable
 
 from tpdp_verify import faults
+from tpdp_verify import status as statuses
 from tpdp_verify.cases import mesh_text
 from tpdp_verify.errors import EXIT_USAGE, UsageError
 from tpdp_verify.files import write_whole
-from tpdp_verify.runner.baseline import run_verdict
+from tpdp_verify.status import Found, Status
 
 # torch and the gate are imported where used: a bad output path fails before they load
 
-SCHEMA = 2  # bumped when a key changes meaning or goes away; new keys keep it
-# a search's status: interrupted only in a run a signal stopped, for the searches it left unjudged
-STATUSES = ("pass", "known", "diverges", "infra", "interrupted")
+# bumped when a key changes meaning or goes away; new keys keep it. 3: a search whose failures
+# the baseline could not be asked about is "not asked" (was "known"); a plan's status is
+# lower case, as a search's (tpdp_verify.status)
+SCHEMA = 3
 
 
 # -- files
@@ -124,9 +126,10 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "exit_code": exit_code,
         "error": error,
         "interrupted": interrupted and {**interrupted, "not_run": [
-            {"name": o.property, "world_size": o.world_size} for o in outcomes if o.status == "interrupted"]},
+            {"name": o.property, "world_size": o.world_size} for o in outcomes if o.status == Status.INTERRUPTED]},
         "baseline": _judgement(baseline, judged),
-        "counts": {s: sum(o.status == s for o in outcomes) for s in STATUSES},
+        "verdict": statuses.worst([o.status for o in outcomes] + [Status.INFRA] * bool(error)),
+        "counts": statuses.count(o.status for o in outcomes),
         "not_searched": list(excluded),
         "properties": [
             {
@@ -153,7 +156,7 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
                                            for text, drawn in o.stats.history],
                 "rank_output": o.rank_output or None,
                 "message": o.message,
-                "findings": [{"status": f.status or "found", "signature": list(f.signature), "kind": f.kind,
+                "findings": [{"status": f.status, "signature": list(f.signature), "kind": f.kind,
                               "failure": f.failure, "replay": f.replay,
                               "case": {k: repr(v) for k, v in (f.drawn or {}).items()},
                               **(f.explanation.to_json() if f.explanation else {"faults": [], "unexplained": []})}
@@ -191,21 +194,23 @@ def plan_record(report, exit_code: int, started: str, seconds: float) -> dict:
 def plan_interrupted(case: dict, signal: str, exit_code: int, started: str, seconds: float, baseline: str,
                      replay: str) -> dict:
     """A ``plan`` run a signal stopped before its verdict: the keys a report has, nothing judged
-    (the verdict needs every run of the case), ``ok`` false, status INTERRUPTED."""
+    (the verdict needs every run of the case), ``ok`` false, status interrupted."""
     import torch
 
     return {"schema": SCHEMA, "command": "plan", "tpdp_verify": _version(), "torch": torch.__version__,
             "python": platform.python_version(), "started": started, "seconds": round(seconds, 3),
-            "exit_code": exit_code, "interrupted": {"signal": signal}, "ok": False, "status": "INTERRUPTED",
+            "exit_code": exit_code, "interrupted": {"signal": signal}, "ok": False, "status": Status.INTERRUPTED,
             "baseline": baseline or None, "known": [], "new": [], "case": case, "checks": [],
             "outputs_not_compared": [], "first_module": None, "plain_ddp": "", "failures": [],
             "report": f"interrupted by {signal} before the verdict: nothing was judged", "replay": replay}
 
 
 def _plan_junit(record: dict) -> str:
-    """One <testcase> a check of the report; a failed check is a <failure> with its detail."""
-    checks, interrupted = record["checks"], bool(record.get("interrupted"))
-    totals = {"tests": str(len(checks) + interrupted), "failures": str(sum(c["ok"] is False for c in checks)),
+    """One <testcase> a check of the report; a failed check is a <failure> with its detail where
+    the run diverges, its known fault's <system-out> where every departure is torch's."""
+    checks, interrupted, status = record["checks"], bool(record.get("interrupted")), Status(record["status"])
+    failures = sum(c["ok"] is False for c in checks) if status.blocks else 0
+    totals = {"tests": str(len(checks) + interrupted), "failures": str(failures),
               "errors": str(int(interrupted)),
               "skipped": str(sum(c["ok"] is None for c in checks)), "time": f"{record['seconds']:.3f}"}
     root = ET.Element("testsuites", name="tpdp-verify plan", **totals)
@@ -216,9 +221,11 @@ def _plan_junit(record: dict) -> str:
         ET.SubElement(properties, "property", name=key, value=str(record[key]))
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname="tpdp_verify.plan", name=c["check"], time="0")
-        if c["ok"] is False:
-            ET.SubElement(case, "failure", message=_one_line(c["detail"]), type="diverges").text = \
+        if c["ok"] is False and status.blocks:
+            ET.SubElement(case, "failure", message=_one_line(c["detail"]), type=status).text = \
                 _xml_text(record["report"])
+        elif c["ok"] is False:  # every departure is torch's known fault: the run passes (tpdp_verify.status)
+            ET.SubElement(case, "system-out").text = f"{status}: {_xml_text(c['detail'])}"
         elif c["ok"] is None:
             ET.SubElement(case, "skipped", message=_one_line(c["detail"]))
     if interrupted:  # no verdict: never read as a pass
@@ -230,8 +237,7 @@ def _plan_junit(record: dict) -> str:
 
 def _plan_markdown(record: dict) -> str:
     c = record["case"]
-    verdict = "INTERRUPTED" if record.get("interrupted") else "PASS" if record["ok"] else "DIVERGES"
-    out = [f"# tpdp-verify plan: {c['model']}: {verdict}", "",
+    out = [f"# tpdp-verify plan: {c['model']}: {Status(record['status']).label}", "",
            f"torch {record['torch']}, mesh {mesh_text(c['mesh'])}, dp={c['dp']}, {c['steps']} steps, "
            f"{c['dtype']}: {record['seconds']:.1f} s, exit code {record['exit_code']}.", "",
            "| check | result | compared | detail |", "| --- | --- | ---: | --- |"]
@@ -269,8 +275,9 @@ def to_junit(record: dict) -> str:
     if record["command"] == "plan":
         return _plan_junit(record)
     props, counts, error = record["properties"], record["counts"], record["error"]
-    totals = {"tests": len(props) + bool(error), "failures": counts["diverges"],
-              "errors": counts["infra"] + counts.get("interrupted", 0) + bool(error), "skipped": 0}
+    tags = [Status(p["status"]).junit for p in props]
+    totals = {"tests": len(props) + bool(error), "failures": tags.count("failure"),
+              "errors": tags.count("error") + bool(error), "skipped": 0}
     totals = {k: str(v) for k, v in totals.items()} | {"time": f"{record['seconds']:.3f}"}
     root = ET.Element("testsuites", name="tpdp-verify gate", **totals)
     suite = ET.SubElement(root, "testsuite", name="tpdp-verify gate", **totals,
@@ -286,14 +293,14 @@ def to_junit(record: dict) -> str:
         case = ET.SubElement(suite, "testcase", classname="tpdp_verify.properties",
                              name=f"{p['name']}[world_size={p['world_size']}]",
                              time=f"{p['seconds']:.3f}")
-        if p["status"] in ("diverges", "infra", "interrupted"):  # an interrupted search has no verdict: an error
-            tag = "failure" if p["status"] == "diverges" else "error"
-            blocking = [f for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED")]
-            first = f"{blocking[0]['status']}: {blocking[0]['kind']}{_faults(blocking[0])}" if blocking \
-                else p["message"]
-            element = ET.SubElement(case, tag, message=_one_line(first), type=p["status"])
+        verdict = Status(p["status"])
+        if verdict.junit:  # a failure where it blocks, an error where there is no verdict (tpdp_verify.status)
+            said = [f for f in p["findings"] if Found(f["status"]).blocks] or \
+                [f for f in p["findings"] if f["status"] == Found.NOT_ASKED]
+            first = f"{said[0]['status']}: {said[0]['kind']}{_faults(said[0])}" if said else p["message"]
+            element = ET.SubElement(case, verdict.junit, message=_one_line(first), type=p["status"])
             element.text = _xml_text(p["report"])
-        elif p["status"] == "known":
+        elif verdict == Status.KNOWN:
             ET.SubElement(case, "system-out").text = _xml_text(p["report"])
     if error:
         case = ET.SubElement(suite, "testcase", classname="tpdp_verify.runner.gate", name="run", time="0")
@@ -309,11 +316,12 @@ def to_markdown(record: dict) -> str:
     if record["command"] == "plan":
         return _plan_markdown(record)
     c = record["counts"]
+    verdict = statuses.of_counts(c, record["error"])
     stopped = f"INTERRUPTED by {record['interrupted']['signal']}: " if record.get("interrupted") else ""
-    left = f", {c['interrupted']} interrupted" if c.get("interrupted") else ""
     out = [
-        f"# tpdp-verify gate: {stopped}{c['pass']} passed, {c['known']} known only, {c['diverges']} diverged, "
-        f"{c['infra']} infrastructure failures{left}",
+        f"# tpdp-verify gate: {stopped}{statuses.counted(c)}",
+        "",
+        f"**{statuses.verdict_line(verdict, record['exit_code'])}**",
         "",
         f"torch {record['torch']}, implementation `{record['impl']}`, profile {record['profile']} "
         f"({record['max_examples']} examples a property on world sizes "
@@ -326,7 +334,7 @@ def to_markdown(record: dict) -> str:
     b = record.get("baseline")
     if b:
         out += [f"Against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
-                f"{b['known']} known: {run_verdict(b)}.", ""]
+                f"{b['known']} known" + (f", {b['not_asked']} not asked" if b.get("not_asked") else "") + ".", ""]
     c = record.get("catalog")
     if c and c["known"]:
         out += [f"The fault catalog explains {c['explained']} of the {c['known']} known failures"
@@ -335,7 +343,7 @@ def to_markdown(record: dict) -> str:
                           for u in c["unexplained"]) + ".", ""]
     out += ["| property | world size | result | drawn | known only | findings | seconds |",
             "| --- | ---: | --- | ---: | ---: | --- | ---: |"]
-    out += [f"| {p['name']} | {p['world_size']} | {p['status'].upper()} | {p['drawn']}"
+    out += [f"| {p['name']} | {p['world_size']} | {Status(p['status']).label} | {p['drawn']}"
             f"{' (fewer than ' + str(p['wanted']) + ')' if p['drew_fewer'] else ''} | {p['known_only']} | "
             + ", ".join(f"{f['status']}: {f['kind']}{_faults(f)}" for f in p["findings"]).replace("|", "\\|")
             + f" | {p['seconds']:.1f} |" for p in record["properties"]]
@@ -343,7 +351,7 @@ def to_markdown(record: dict) -> str:
         out += ["", "Not searched:", ""] + [f"- {x['name']} ({', '.join(x['properties'])}): {x['reason']} "
                                           f"([why]({x['doc']}))" for x in record["not_searched"]]
     for p in record["properties"]:
-        if p["report"] and p["status"] != "interrupted":  # the table says it: no verdict, no report
+        if p["report"] and p["status"] != Status.INTERRUPTED:  # the table says it: no verdict, no report
             out += ["", f"## {p['name']} (world size {p['world_size']}): {p['status']}", "",
                     *_fenced(p["report"])]
     return "\n".join(out) + "\n"

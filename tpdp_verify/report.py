@@ -16,6 +16,7 @@ from tpdp_verify.cases import mesh_text
 from tpdp_verify.cases.training import DP, TrainCase
 from tpdp_verify.judging.verdict import Row, Verdict, on_ranks
 from tpdp_verify.signature import describe
+from tpdp_verify.status import Status
 
 # The checks of a report, in the order a reader asks about them; those marked True must
 # compare something, whatever the model.
@@ -155,17 +156,17 @@ class Report:
                 if (p in self.known.get(v.against, {})) == known]
 
     @property
-    def status(self) -> str:
-        """PASS; KNOWN: the run shows every departure to be torch's (and every check compared
-        something); else DIVERGES: the plan departs."""
+    def status(self) -> Status:
+        """pass; known: the run shows every departure to be torch's (and every check compared
+        something); else diverges: the plan departs."""
         if all(line.ok for line in self.lines):
-            return "PASS"
+            return Status.PASS
         vacuous = any(line.cell(self._reached) == ("FAIL", "compared nothing") for line in self.lines)
-        return "KNOWN" if self.baseline and not vacuous and not self._parts(known=False) else "DIVERGES"
+        return Status.KNOWN if self.baseline and not vacuous and not self._parts(known=False) else Status.DIVERGES
 
     @property
     def ok(self) -> bool:
-        return self.status != "DIVERGES"
+        return self.status.green
 
     @property
     def first_module(self) -> str | None:
@@ -174,7 +175,8 @@ class Report:
     def _title(self) -> str:
         c = self.case
         dp = next((k for k, v in DP.items() if v == c.entry), c.entry) if c.dp_form == c.entry else c.dp_form
-        status = {"KNOWN": f"PASS but for known torch faults ({self.baseline})"}.get(self.status, self.status)
+        status = f"PASS but for known torch faults ({self.baseline})" if self.status == Status.KNOWN \
+            else self.status.label
         return (f"{c.model} with TP on mesh {mesh_text(c.mesh_shape)}, dp={dp}, {c.steps} step"
                 f"{'s' if c.steps > 1 else ''}, {c.dtype}: {status}")
 
@@ -212,7 +214,7 @@ class Report:
         """Without a baseline, first: the catalogued torch faults whose pattern the departures
         match, and the entry point that avoids them. A match names; it proves nothing, so the
         verdict stands and the baseline is how the run shows a departure to be torch's."""
-        if self.baseline or self.status == "PASS":
+        if self.baseline or self.status == Status.PASS:
             return []
         e = self.named(known=False)
         if not e.faults:

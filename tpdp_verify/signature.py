@@ -55,14 +55,20 @@ def describe(part: str) -> str:
     parameters stay unchanged", "value:gradient" -> "gradient beyond its bound"."""
     head, _, rest = part.partition(":")
     if head == "check":
-        return rest.replace("-", " ")
+        return _spelled(rest)
     if head == "value":
-        return rest.replace("-", " ") + " beyond its bound"
+        return _spelled(rest) + " beyond its bound"
     if head == "crash":
         return f"a rank died ({rest})"
     if head == "raised":
         return f"raised {rest}"
     return part
+
+
+def _spelled(slugged: str) -> str:
+    """A slug as its name was spelled: slug() dropped the apostrophes ("t's shard" ->
+    "t-s-shard"), and a part's identity keeps the slug, for the memos hold it."""
+    return re.sub(r"(?<=n)-t(?=-|$)", "'t", re.sub(r"(?<=[a-z0-9_])-s(?=-|$)", "'s", slugged)).replace("-", " ")
 
 
 def name(part: str) -> str:

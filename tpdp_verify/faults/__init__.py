@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tpdp_verify.faults.catalog import CATALOG
 from tpdp_verify.faults.record import Explanation, Fault, Shows, facts
+from tpdp_verify.status import Found
 
 __all__ = ["CATALOG", "Explanation", "Fault", "Shows", "explain", "facts", "find", "tally"]
 
@@ -46,7 +47,7 @@ def tally(properties: list[dict]) -> dict:
     """How many of a run's known failures (a gate record's ``properties``) the catalog explains,
     by which faults, and those it does not (each known failure once a search): news, though
     the release shows them."""
-    known = [(p, f) for p in properties for f in p["findings"] if f["status"] == "known"]
+    known = [(p, f) for p in properties for f in p["findings"] if f["status"] == Found.KNOWN]
     by: dict[int, int] = {}
     for _, f in known:
         for x in f.get("faults", ()):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tpdp_verify.errors import UsageError
 from tpdp_verify.faults.record import Fault
+from tpdp_verify.status import Found
 
 TIMEOUT = 180.0  # a reproduction's whole run; one that hangs is stopped by its own join timeout first
 
@@ -120,7 +121,7 @@ def findings(record: dict) -> list[tuple[dict, dict]]:
     each with its property entry."""
     if record.get("command") != "gate" or "properties" not in record:
         raise UsageError("not a gate's --json record; give the file `tpdp-verify gate --json FILE` wrote")
-    return [(p, f) for p in record["properties"] for f in p["findings"] if f["status"] in ("found", "NEW", "CHANGED")]
+    return [(p, f) for p in record["properties"] for f in p["findings"] if Found(f["status"]).blocks]
 
 
 def load(path: str) -> dict:

@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from tpdp_verify import stacks as stacks_of
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout, UsageError
+from tpdp_verify.files import inductor_cache
 
 _STOP = b"stop"
 
@@ -128,11 +129,15 @@ def _this_sys_path():
     3.13 starts it with ``-c`` and drops the path multiprocessing hands it, so it would
     import from the working directory first: from a checkout's root, its ``tpdp_verify``
     folder (or a folder named like any module PRELOAD lists) would stand for the installed
-    package in every rank. PYTHONSAFEPATH (3.11+) keeps the working directory out."""
-    keys = ("PYTHONPATH", "PYTHONSAFEPATH")
+    package in every rank. PYTHONSAFEPATH (3.11+) keeps the working directory out. Its
+    imports make torch inductor's cache directory, in the temp dir unless one is named, and
+    leave it there: it goes with tpdp-verify's cache where the user names none (the ranks'
+    too, ``_rank_main``)."""
+    keys = ("PYTHONPATH", "PYTHONSAFEPATH", "TORCHINDUCTOR_CACHE_DIR")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     os.environ["PYTHONSAFEPATH"] = "1"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache())
     try:
         yield
     finally:
@@ -320,6 +325,7 @@ def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack
         loopback = _loopback_interface()
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
         os.environ["NCCL_SOCKET_IFNAME"] = loopback
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache())  # as the fork server's
         import torch
         import torch.distributed as dist
 

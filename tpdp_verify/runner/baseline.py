@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tpdp_verify import signature
 from tpdp_verify.errors import UsageError
+from tpdp_verify.status import Found, Status
 from tpdp_verify.runner import memo as memos
 
 
@@ -61,15 +62,15 @@ def installed_release() -> str | None:
     return dist.version.split("+")[0]
 
 
-def status(shown: signature.Signature, answer: signature.Signature | None) -> str:
+def status(shown: signature.Signature, answer: signature.Signature | None) -> Found:
     """A candidate's failure ``shown`` judged by the release's ``answer`` on the same case."""
     if answer is None:
-        return "not asked"
+        return Found.NOT_ASKED
     if shown and set(shown) <= set(answer):
-        return "known"
+        return Found.KNOWN
     if not answer or set(answer) <= set(shown):
-        return "NEW"  # the release passes, or the candidate adds a fault to the release's
-    return "CHANGED"
+        return Found.NEW  # the release passes, or the candidate adds a fault to the release's
+    return Found.CHANGED
 
 
 @dataclass
@@ -193,15 +194,15 @@ class Judgement:
     @classmethod
     def of(cls, outcomes) -> "Judgement":
         out = cls()
-        lists = {"NEW": out.new, "CHANGED": out.changed, "FIXED": out.fixed, "known": out.known,
-                 "not asked": out.not_asked}
+        lists = {Found.NEW: out.new, Found.CHANGED: out.changed, Found.FIXED: out.fixed, Found.KNOWN: out.known,
+                 Found.NOT_ASKED: out.not_asked}
         for o in outcomes:
             for f in o.findings:
                 if f.status in lists:
                     lists[f.status].append((o.property, o.world_size, f))
             out.reran += o.stats.reran
             out.not_rerun += o.stats.not_rerun
-            out.infra += o.status in ("infra", "interrupted")
+            out.infra += o.status in (Status.INFRA, Status.INTERRUPTED)
         return out
 
     def counts(self) -> dict:
@@ -210,20 +211,10 @@ class Judgement:
                 "not_rerun": self.not_rerun, "infra": self.infra}
 
 
-def run_verdict(counts: dict) -> str:
-    """What the baseline says of a run, from its counts (``Judgement.counts``, or merged parts'):
-    the one place the word is chosen. A search the harness could not judge leaves the run
-    without a verdict, whatever the others found: never "passes" beside it."""
-    if counts["new"] or counts["changed"]:
-        return "blocks"
-    if counts.get("infra"):
-        return f"no verdict ({counts['infra']} searches not judged: infrastructure failures)"
-    return "not judged" if counts["not_asked"] else "passes"
-
-
-def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: str = "", full: bool = True) -> str:
+def report(j: Judgement, name: str, verdict: Status, asking: Asking | None = None, unavailable: str = "",
+           full: bool = True) -> str:
     """What the baseline said of the run: a line per finding that is not known (``full``; the
-    summary lists them otherwise), how it was asked, then the counts."""
+    summary lists them otherwise), how it was asked, then the counts and the run's ``verdict``."""
     width = max([len(p) for p, _, _ in j.new + j.changed + j.fixed + j.not_asked] + [8])
 
     def line(label: str, item) -> str:
@@ -246,5 +237,5 @@ def report(j: Judgement, name: str, asking: Asking | None = None, unavailable: s
         out.append(f"  {unavailable}")
     out.append(f"against the baseline: {len(j.new)} new, {len(j.changed)} changed, {len(j.fixed)} fixed, "
                f"{len(j.known)} known" + (f", {len(j.not_asked)} not asked" if j.not_asked else "")
-               + f": {run_verdict(j.counts())}")
+               + f": {verdict.sentence}")
     return "\n".join(out)

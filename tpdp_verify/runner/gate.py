@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ import torch
 from hypothesis.reporting import with_reporter
 
 from tpdp_verify import faults, interrupts, signature
-from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, PoolError
+from tpdp_verify import status as statuses
+from tpdp_verify.errors import PoolError
 from tpdp_verify.impls import select as impl_mod
 from tpdp_verify.interrupts import Interrupted
 from tpdp_verify.judging.divergence import Divergence
@@ -30,7 +32,8 @@ from tpdp_verify.ranks.pool import MAX_RSS_GROWTH, RankPool
 from tpdp_verify.runner import coverage
 from tpdp_verify.runner.profiles import Profile
 from tpdp_verify.runner.baseline import status
-from tpdp_verify.runner.property import GOES_ON, Judge, Property, Stats, finding, never
+from tpdp_verify.runner.property import Judge, Property, Stats, finding, never
+from tpdp_verify.status import Found, Status
 
 # once ranks have hung, a call counts as hung after 5x the slowest call that answered (the
 # pool's after_hang): a build that hangs, hangs in many cases, and a full timeout each is hours
@@ -45,19 +48,19 @@ class Finding(NamedTuple):
     kind: str = ""  # the signature as a reader says it
     drawn: dict | None = None  # the shrunk case, argument name -> value
     signature: tuple = ()  # tpdp_verify.signature: every part of what failed
-    status: str = ""  # against a baseline: NEW, CHANGED, known or FIXED; "" without one
+    status: Found = Found.FOUND  # against a baseline: NEW, CHANGED, known, FIXED or not asked
     explanation: faults.Explanation | None = None  # the catalogued faults that explain it
 
     @property
     def blocks(self) -> bool:
-        return self.status in ("", "NEW", "CHANGED")
+        return self.status.blocks
 
 
 @dataclass
 class Outcome:
     property: str
     world_size: int
-    status: str  # "pass" | "known" (only known failures) | "diverges" | "infra" | "interrupted"
+    status: Status  # tpdp_verify.status
     seconds: float
     stats: Stats = field(default_factory=Stats)
     message: str = ""  # why there is no verdict (infra, interrupted)
@@ -67,18 +70,20 @@ class Outcome:
     unshrunk: bool = False  # the gate's shrinking budget was spent before this search ran
     rank_output: str = ""  # the file holding what the ranks printed during this search, if they did
 
+    def __post_init__(self):
+        self.status = Status(self.status)  # "pass" as a record spells it, too
+
     def judged(self) -> None:
-        """The status from the findings' own: diverges where one blocks (NEW, CHANGED, or any
-        without a baseline), known where the baseline shows them all (or was not asked)."""
-        if self.status not in ("infra", "interrupted"):
-            self.status = "diverges" if any(f.blocks for f in self.findings) else \
-                "known" if any(f.status in GOES_ON for f in self.findings) else "pass"
+        """The status from the findings' own (tpdp_verify.status.of_findings), where the
+        harness left one."""
+        if self.status not in (Status.INFRA, Status.INTERRUPTED):
+            self.status = statuses.of_findings(f.status for f in self.findings)
 
     @property
     def short(self) -> bool:
         """The search drew fewer examples than its profile asks (it stopped at a new failure,
         or its case space ran out)."""
-        return self.status not in ("infra", "interrupted") and self.stats.drawn < self.wanted
+        return self.status not in (Status.INFRA, Status.INTERRUPTED) and self.stats.drawn < self.wanted
 
 
 REPLAY = "-- replay (save as a file and run it with python):"
@@ -110,7 +115,7 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
         with with_reporter(reported.append), _heartbeat(prop.name, stats, progress, every):
             prop.run(pool, impl, profile, stats, judge)
     except PoolError as exc:
-        return _outcome(prop, pool, profile, "infra", start, stats, message=str(exc))
+        return _outcome(prop, pool, profile, Status.INFRA, start, stats, message=str(exc))
     except Divergence as exc:
         findings = _findings(prop, pool, impl, (exc,), stats, reported)
     except BaseExceptionGroup as group:
@@ -122,7 +127,7 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
     met = {f.signature for f in findings}  # what only known failures showed: one example each
     findings += [_finding(prop, pool, impl, "", sig, drawn, status)
                  for sig, (status, drawn) in stats.known_seen.items() if sig not in met]
-    outcome = _outcome(prop, pool, profile, "", start, stats, findings=findings)
+    outcome = _outcome(prop, pool, profile, Status.PASS, start, stats, findings=findings)
     outcome.judged()
     return outcome
 
@@ -149,12 +154,12 @@ def judged_search(prop: Property, pool: RankPool, impl: str, profile: Profile, b
                              progress, every, judge)
     outcome.unshrunk = profile.shrink and spent.shrinking >= profile.shrink_total
     spent.shrinking += outcome.stats.shrink_seconds
-    if baseline is not None and outcome.status != "infra" and not baseline.is_candidate(impl):
+    if baseline is not None and outcome.status != Status.INFRA and not baseline.is_candidate(impl):
         start = time.monotonic()
         try:
             _rerun_memo(prop, pool, impl, outcome, baseline, profile.rerun_total - spent.rerunning)
         except PoolError as exc:
-            outcome.status, outcome.message = "infra", str(exc)
+            outcome.status, outcome.message = Status.INFRA, str(exc)
         spent.rerunning += time.monotonic() - start
     outcome.judged()
     return outcome
@@ -179,8 +184,8 @@ def _rerun_memo(prop: Property, pool: RankPool, impl: str, outcome: Outcome, bas
             stats.ran[asked.key] = now
             said.setdefault(now, text)
             stats.reran += 1
-        verdict = "FIXED" if not now else status(now, asked.signature)
-        if verdict != "known":
+        verdict = Found.FIXED if not now else status(now, asked.signature)
+        if verdict != Found.KNOWN:
             ways.setdefault((verdict, asked.signature, now), []).append(asked)
     for (verdict, was, now), cases in ways.items():
         if any((f.signature, f.status) == (now, verdict) for f in outcome.findings):
@@ -211,7 +216,7 @@ def _internal(name: str, exc: BaseException) -> BaseException:
     return InternalError(name, exc) if stopped is None else Interrupted(stopped.signum)
 
 
-def _outcome(prop: Property, pool: RankPool, profile: Profile, status: str, start: float, stats: Stats,
+def _outcome(prop: Property, pool: RankPool, profile: Profile, status: Status, start: float, stats: Stats,
              **details) -> Outcome:
     return Outcome(prop.name, pool.world_size, status, time.monotonic() - start, stats, backend=pool.backend,
                    wanted=prop.under(profile).max_examples, **details)
@@ -229,13 +234,13 @@ def _findings(prop: Property, pool: RankPool, impl: str, found, stats: Stats, re
         seen.add(type(e).signature)
         drawn = stats.failures.get(type(e).signature, stats.failing)
         out.append(_finding(prop, pool, impl, _failure_text(e, reported if len(found) == 1 else []),
-                            type(e).signature, drawn, stats.statuses.get(type(e).signature, "")))
+                            type(e).signature, drawn, stats.statuses.get(type(e).signature, Found.FOUND)))
     return out
 
 
 def _finding(prop: Property, pool: RankPool, impl: str, text: str, sig: tuple, drawn: dict | None,
-             status: str = "") -> Finding:
-    if status in GOES_ON:
+             status: Found = Found.FOUND) -> Finding:
+    if status.goes_on:
         text = f"{status}: {' + '.join(signature.describe(p) for p in sig)}"
     return Finding(text, prop.replay_code(pool.world_size, impl, drawn) if drawn else "",
                    " + ".join(signature.describe(p) for p in sig), drawn, sig, status,
@@ -314,7 +319,7 @@ def iter_gate(
             for prop in todo:
                 outcome = judged_search(prop, pool, impl, profile, baseline, spent, progress, every)
                 outcome.rank_output = _set_aside(rank_output, world_size, prop.name) if rank_output else ""
-                done, failed = done + 1, failed + (outcome.status in ("diverges", "infra"))
+                done, failed = done + 1, failed + (outcome.status in (Status.DIVERGES, Status.INFRA))
                 progress(f"  [{done:>{len(str(total))}}/{total}] {_short_line(outcome)}  (failures so "
                          f"far: {failed}, elapsed {time.monotonic() - start:.0f} s)")
                 yield outcome
@@ -331,7 +336,7 @@ def searches(properties: tuple[Property, ...], profile: Profile,
 def interrupted(left: list[tuple[Property, int]], signal: str, running: float | None, wanted: int) -> list[Outcome]:
     """The outcomes of the searches a signal left unjudged: the first of ``left`` ran for
     ``running`` seconds when it came (None: it came between searches), the others not at all."""
-    outcomes = [Outcome(prop.name, ws, "interrupted", 0.0, wanted=wanted,
+    outcomes = [Outcome(prop.name, ws, Status.INTERRUPTED, 0.0, wanted=wanted,
                         message=f"not run: the gate was interrupted by {signal}") for prop, ws in left]
     if outcomes and running is not None:
         outcomes[0].seconds, outcomes[0].message = running, f"interrupted by {signal} while it ran"
@@ -380,15 +385,9 @@ def _short_line(o: Outcome) -> str:
     return f"{o.property:<{WIDTH}} world {o.world_size}  {o.status.upper():<8} {_drew(o)}  {o.seconds:6.1f} s"
 
 
-def exit_code(outcomes: list[Outcome]) -> int:
-    """3 where the harness failed, 1 where a finding blocks, 4 where the baseline could not be
-    asked about a failure (no verdict on it), else 0."""
-    statuses = {o.status for o in outcomes}
-    if "infra" in statuses:
-        return EXIT_INFRA
-    if "diverges" in statuses:
-        return EXIT_DIVERGENCE
-    return EXIT_NOT_ASKED if any(f.status == "not asked" for o in outcomes for f in o.findings) else EXIT_OK
+def verdict(outcomes: list[Outcome]) -> Status:
+    """The run's: its worst search's (tpdp_verify.status), whose exit code the gate exits with."""
+    return statuses.worst(o.status for o in outcomes)
 
 
 def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float,
@@ -396,12 +395,10 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
     """The run in words: ``full``, every search's line, what is not searched, each finding's
     report and replay (the report file, and the terminal under -v); else what a person reads
     first: the counts, what needs attention, and a line a finding that is not known."""
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "known", "diverges", "infra")}
     short = [o for o in outcomes if o.short]
     out = [f"tpdp-verify gate: profile {profile.name}, implementation {impl}, torch {torch.__version__}"]
     out += [_line(o) for o in outcomes] if full else []
-    out.append(f"{counts['pass']} passed, {counts['known']} known only, {counts['diverges']} diverged, "
-               f"{counts['infra']} infrastructure failures in {seconds:.1f} s ({profile.name} budget "
+    out.append(f"{statuses.counted(statuses.count(o.status for o in outcomes))} in {seconds:.1f} s ({profile.name} budget "
                f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})")
     if short and (full or len(short) <= 3):
         out.append(f"{len(short)} searches drew fewer examples than they ask: "
@@ -425,18 +422,33 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
         out += catalog_lines(outcomes, most=None) + list(excluded)
         out.append(coverage.summary_line(coverage.unexercised()))
         for o in outcomes:
-            if o.status != "pass":
+            if o.status != Status.PASS:
                 out += ["", outcome_report(o)]
         return "\n".join(out)
     unset = sum(map(len, coverage.unexercised().values()))
     out.append(f"not searched: {len(excluded)} regions of the case space; keywords no case sets: {unset} "
                "(each with its reason in the full report)")
     out += catalog_lines(outcomes)
-    lines = [f"  {f.status or 'found':<8} {o.property} (world {o.world_size}): {f.kind}{_named(f)}"
-             for o in outcomes for f in o.findings if f.status not in GOES_ON]
-    lines += [f"  {'INFRA':<8} {o.property} (world {o.world_size}): {o.message.splitlines()[0]}"
-              for o in outcomes if o.status == "infra" and o.message]
+    lines = [fit(f"  {f.status:<8} {o.property} (world {o.world_size}): {f.kind}", _numbered(f))
+             for o in outcomes for f in o.findings if not f.status.goes_on]
+    lines += [fit(f"  {Status.INFRA.label:<8} {o.property} (world {o.world_size}): {o.message.splitlines()[0]}")
+              for o in outcomes if o.status == Status.INFRA and o.message]
     return "\n".join(out + (["findings (their cases and replays in the full report):", *lines] if lines else []))
+
+
+def fit(line: str, tail: str = "", width: int | None = None) -> str:
+    """``line`` and its ``tail`` within the terminal's width (100 where there is none): the
+    line cut, "..." where cut, the tail kept whole. The full text is in the report."""
+    width = (width or shutil.get_terminal_size((100, 24)).columns) - len(tail)
+    return (line if len(line) <= width else line[: max(width - 3, 20)] + "...") + tail
+
+
+def _numbered(f: Finding) -> str:
+    """The catalogued faults a finding names, by number: ``[faults 1, 30]``."""
+    if f.explanation is None or not f.explanation.faults:
+        return "" if f.explanation is None else " [no catalogued fault]"
+    numbers = [str(x.number) for x in f.explanation.faults]
+    return f" [fault{'s' * (len(numbers) > 1)} {', '.join(numbers)}{' +' if f.explanation.unexplained else ''}]"
 
 
 def _named(f: Finding) -> str:
@@ -452,7 +464,7 @@ def _named(f: Finding) -> str:
 def catalog_lines(outcomes: list[Outcome], most: int | None = 5) -> list[str]:
     """How many known failures the catalog explains; each it does not (``most`` of them; None:
     all), for it is news."""
-    known = [(o, f) for o in outcomes for f in o.findings if f.status == "known" and f.explanation]
+    known = [(o, f) for o in outcomes for f in o.findings if f.status == Found.KNOWN and f.explanation]
     if not known:
         return []
     named = sorted({x.number for _, f in known for x in f.explanation.faults})
@@ -467,23 +479,23 @@ def catalog_lines(outcomes: list[Outcome], most: int | None = 5) -> list[str]:
 
 def outcome_report(o: Outcome) -> str:
     """Why a property has no pass: each finding's status, failed checks, shrunk case and replay."""
-    if o.status == "pass":
+    if o.status == Status.PASS:
         return ""
     out = [f"== {o.property} (world size {o.world_size}): {o.status}"]
     if o.message:
         out.append(o.message)
-    for f in (f for f in o.findings if f.status not in GOES_ON):
-        out += ["", f"{f.status or 'found'}: {f.kind}", f"signature: {', '.join(f.signature)}"]
+    for f in (f for f in o.findings if not f.status.goes_on):
+        out += ["", f"{f.status}: {f.kind}", f"signature: {', '.join(f.signature)}"]
         out += [f"catalog: {f.explanation.line()}"] if f.explanation else []
         out.append(f.failure)
         if f.replay:
             out += ["(the case as first found: the gate's shrinking budget was spent)"] if o.unshrunk else []
             out += [REPLAY, f.replay.rstrip()]
-    known = [f.kind + _named(f) for f in o.findings if f.status == "known"]
+    known = [f.kind + _named(f) for f in o.findings if f.status == Found.KNOWN]
     if known:
         out += ["", f"known ({o.stats.known} examples showed only failures the baseline release shows on the same "
                     "case): " + "; ".join(known)]
-    unasked = [f.kind for f in o.findings if f.status == "not asked"]
+    unasked = [f.kind for f in o.findings if f.status == Found.NOT_ASKED]
     if unasked:
         out += ["", f"not asked ({o.stats.not_asked} examples failed where the baseline release could not be asked: "
                     "no verdict): " + "; ".join(unasked)]

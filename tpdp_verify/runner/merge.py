@@ -13,9 +13,10 @@ import json
 from pathlib import Path
 
 from tpdp_verify import faults
-from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK, UsageError
-from tpdp_verify.runner.baseline import run_verdict
+from tpdp_verify import status as statuses
+from tpdp_verify.errors import UsageError
 from tpdp_verify.runner.selection import parse
+from tpdp_verify.status import Status
 
 # What the parts of one run share.
 SAME = ("command", "schema", "tpdp_verify", "torch", "impl", "profile", "max_examples", "seed", "backend",
@@ -49,7 +50,7 @@ def merge(records: list[tuple[str, dict]]) -> dict:
     order = {sid: i for i, sid in enumerate(plan)}
     properties = sorted((p for r in parts for p in r["properties"]),
                         key=lambda p: order[f"{p['name']}[world_size={p['world_size']}]"])
-    counts = {s: sum(r["counts"].get(s, 0) for r in parts) for s in first["counts"]}
+    counts = {v.key: sum(r["counts"].get(v.key, 0) for r in parts) for v in Status}
     stopped = [r["interrupted"] for r in parts if r.get("interrupted")]
     errors = [f"part {r['selection']['shard']}: {r['error']}" for r in parts if r["error"]]
     merged = {
@@ -126,17 +127,9 @@ def _judgement(parts: list[dict | None]) -> dict | None:
 
 
 def _exit_code(merged: dict, parts: list[dict]) -> int:
-    """As the gate's: a signal's code where a part was stopped by one, else infra, else a
-    blocking divergence, else failures the baseline was not asked about, else 0."""
+    """As the gate's: a signal's code where a part was stopped by one, else the run's verdict's."""
     stopped = [r["exit_code"] for r in parts if r.get("interrupted")]
-    if stopped:
-        return stopped[0]
-    counts = merged["counts"]
-    if counts.get("infra") or merged["error"]:
-        return EXIT_INFRA
-    if counts.get("diverges"):
-        return EXIT_DIVERGENCE
-    return EXIT_NOT_ASKED if (merged["baseline"] or {}).get("not_asked") else EXIT_OK
+    return stopped[0] if stopped else statuses.of_counts(merged["counts"], merged["error"]).exit_code
 
 
 def summary(merged: dict, command: str = "merge") -> str:
@@ -148,13 +141,13 @@ def summary(merged: dict, command: str = "merge") -> str:
     out += [f"{p['name']:<38} world {p['world_size']}  {p['status'].upper():<8} {p['drawn']:>4} drawn  "
             f"{p['seconds']:6.1f} s" for p in merged["properties"]]
     b = merged["baseline"]
-    out.append(f"{c['pass']} passed, {c['known']} known only, {c['diverges']} diverged, {c['infra']} infrastructure "
-               f"failures; {merged['seconds']:.1f} s in all, the longest part "
+    out.append(f"{statuses.counted(c)}; {merged['seconds']:.1f} s in all, the longest part "
                f"{max(p['seconds'] for p in merged['parts']):.1f} s")
+    verdict = statuses.of_counts(c, merged["error"])
     if b:
         out.append(f"against the baseline {b['name']}: {b['new']} new, {b['changed']} changed, {b['fixed']} fixed, "
                    f"{b['known']} known" + (f", {b['not_asked']} not asked" if b["not_asked"] else "")
                    + (f"; {b['not_rerun']} of the memo's failing cases not rerun" if b["not_rerun"] else "")
-                   + f": {run_verdict(b)}")
-    out += [f"\n{p['report']}" for p in merged["properties"] if p["report"] and p["status"] != "interrupted"]
-    return "\n".join(out)
+                   + f": {verdict.sentence}")
+    out += [f"\n{p['report']}" for p in merged["properties"] if p["report"] and p["status"] != Status.INTERRUPTED]
+    return "\n".join(out + ["", statuses.verdict_line(verdict, merged["exit_code"])])

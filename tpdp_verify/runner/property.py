@@ -29,6 +29,7 @@ from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.judging.divergence import Divergence, divergence
 from tpdp_verify.runner.memo import key, printed
 from tpdp_verify.runner.profiles import Profile
+from tpdp_verify.status import Found
 
 
 FIXED_SEEDS = Path(__file__).with_name("fixed_seeds.json")
@@ -79,9 +80,8 @@ class Stats:
 
 
 # (a failure's signature, its case) -> its status against the baseline release:
-# "known", "not asked" (counted, and the search draws on), "NEW" or "CHANGED" (raised)
-Judge = Callable[[signature.Signature, dict], str]
-GOES_ON = ("known", "not asked")
+# known, not asked (counted, and the search draws on), NEW or CHANGED (raised)
+Judge = Callable[[signature.Signature, dict], Found]
 
 
 def worth_explaining(sig: signature.Signature) -> bool:
@@ -162,7 +162,7 @@ class _Escape(BaseException):
     """Carries what is not a finding (the harness failing) out of hypothesis, unshrunk."""
 
 
-def _judged(judge: Judge, sig: signature.Signature, drawn: dict) -> str:
+def _judged(judge: Judge, sig: signature.Signature, drawn: dict) -> Found:
     """``judge(sig, drawn)``; the baseline side failing (its ranks would not start) is the
     harness's failure, carried out of hypothesis, never a failure of the case."""
     try:
@@ -280,10 +280,10 @@ class Property:
                     raise _Escape(exc) from exc
                 stats.ran[where] = found.signature
                 stats.said.setdefault(found.signature, f"{type(found).__module__}.{type(found).__qualname__}: {found}")
-                status = _judged(judge, found.signature, drawn) if judge is not None else ""
-                if status in GOES_ON:
-                    stats.known += status == "known"
-                    stats.not_asked += status == "not asked"
+                status = _judged(judge, found.signature, drawn) if judge is not None else Found.FOUND
+                if status.goes_on:
+                    stats.known += status == Found.KNOWN
+                    stats.not_asked += status == Found.NOT_ASKED
                     stats.known_seen.setdefault(found.signature, (status, drawn))
                     return
                 stats.statuses[found.signature] = status
