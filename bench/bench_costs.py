@@ -40,7 +40,7 @@ RANK_PHASES = {
     "steps": [("tpdp_verify.ranks.loop", "train")],
     "taps": [("tpdp_verify.ranks.taps", "watching"), ("tpdp_verify.ranks.taps", "around")],
     "checkpoint save/load": [("tpdp_verify.ranks.checkpoint", "_save"), ("tpdp_verify.ranks.checkpoint", "_load")],
-    "rank call (all)": [("tpdp_verify.ranks.pool", "_reply")],
+    "rank call (all)": [("tpdp_verify.ranks.rank", "reply")],
 }
 PARENT_PHASES = {
     "one-device run (dtype + float64)": [("tpdp_verify.oracles.single_device", "run")],
@@ -118,7 +118,7 @@ def time_the_grace(totals: dict) -> None:
     """After a rank raises, the others get the error grace: they are waited for until they
     answer or sit idle in a collective (IDLE_WINDOW without CPU), then killed. The wait from
     the first error to a reply marked stuck is the "error grace" phase (inside the wait)."""
-    import tpdp_verify.ranks.pool as pool
+    import tpdp_verify.ranks.rank as rank
 
     since: list = []
     idleness_init, collect = pool._Idleness.__init__, pool._Ranks.collect
@@ -144,13 +144,13 @@ def _in_a_rank() -> None:
     import tpdp_verify.ranks.checkpoint  # noqa: F401: the modules whose names are replaced
     import tpdp_verify.ranks.entries  # noqa: F401
     import tpdp_verify.ranks.loop  # noqa: F401
-    import tpdp_verify.ranks.pool as pool
+    import tpdp_verify.ranks.rank as rank
     import tpdp_verify.ranks.taps  # noqa: F401
     import tpdp_verify.ranks.tp_dp  # noqa: F401
 
     totals: dict = defaultdict(float)
     instrument(RANK_PHASES, totals)
-    timed_reply = pool._reply
+    timed_reply = rank.reply
     where = Path(os.environ[RECORD]) / f"rank-{os.getpid()}.json"
 
     def recorded(call: bytes) -> bytes:
@@ -159,7 +159,7 @@ def _in_a_rank() -> None:
         finally:
             where.write_text(json.dumps(totals))
 
-    pool._reply = recorded
+    rank.reply = recorded
 
 
 def rank_totals(directory: Path) -> dict:

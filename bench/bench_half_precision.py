@@ -32,7 +32,7 @@ from tpdp_verify.oracles.single_device import oracle
 from tpdp_verify.properties.training import sound_cases, sound_cases_with_half
 from tpdp_verify.ranks.pool import RankPool
 from tpdp_verify.ranks.tp_dp import observe
-from tpdp_verify.runner.property import without_local_constants
+from tpdp_verify.hypothesis_internals import without_local_constants
 
 FACTORS = (1.01, 1.05, 1.10)
 

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tpdp_verify.errors import RankFailed
-from tpdp_verify.ranks.pool import RankPool, device_mesh
+from tpdp_verify.ranks.pool import RankPool
+from tpdp_verify.ranks.rank import device_mesh
 
 WORLD = 4
 MESH_SHAPE, MESH_NAMES = (2, 2), ("dp", "tp")

@@ -1,7 +1,7 @@
 """The single-device oracle: the unsharded model, the global batch, one process.
 
 It runs twice: in the case's dtype (float32 unless the case says bfloat16 or float16), the
-baseline whose rounding error earns the tolerance, and in float64, the shadow taken as
+rounded run, whose rounding error earns the tolerance, and in float64, the shadow taken as
 exact (see tpdp_verify.judging.tolerance).
 """
 
@@ -18,7 +18,7 @@ from tpdp_verify.ranks.loop import Run, Trace, build, make_optimizer, train
 
 
 class Oracle(NamedTuple):
-    baseline: Trace  # the case's dtype
+    rounded: Trace  # the case's dtype: its rounding error against the shadow earns each bound
     shadow: Trace  # float64
 
 

@@ -6,7 +6,7 @@ import re
 from typing import Callable
 
 from tpdp_verify.cases.training import MISWIRINGS, TrainCase
-from tpdp_verify.judging.verdict import Verdict, assemble, judge_training, localize
+from tpdp_verify.judging.verdict import Verdict, assemble, handed_on_shard, judge_training, localize, upstream
 from tpdp_verify.oracles import aside
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp, observe_with_plain_ddp
 from tpdp_verify.oracles.single_device import oracle
@@ -20,9 +20,14 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
     and without TP through the same entry point, to say whether DP alone departs too
     (each run ``aside``: what it meets is not the case's finding)."""
     traces, _ = aside(pool.run, observe, case, impl, True)
-    if traces and not any(t.error for t in traces):
-        baseline, shadow = oracle(case, capture=True)
-        verdict.first_module = localize(traces, case, baseline, shadow)
+    if traces and all(t.activations for t in traces):
+        rounded, shadow = oracle(case, capture=True)
+        if any(t.error for t in traces):  # a raise after the forward: a head that hands on its shard?
+            handed = handed_on_shard(traces[0], shadow) if not any(t.raised_in for t in traces) else None
+            verdict.first_module, verdict.cause = handed or (verdict.first_module, verdict.cause)
+        elif any(not r.err.ok for r in verdict.rows):  # a module departs only where values do
+            verdict.first_module = localize(traces, case, rounded, shadow)
+            verdict.cause = upstream(verdict.first_module, shadow) if verdict.first_module else ""
     if case.entry == "own":  # the user's function wraps DP with TP: it has no run without TP
         return
     if case.dp_mesh_dims:
@@ -44,8 +49,8 @@ def verdict_one_device(pool, impl: str, case: TrainCase,
     """The case on the ranks, judged against one device; a departure ``explain`` accepts is
     run twice more, to name the first module that departs and to run it without TP."""
     whole, checks = assemble(case, pool.run(observe, case, impl))
-    baseline, shadow = oracle(case)
-    verdict = judge_training(case, whole, baseline, shadow)
+    rounded, shadow = oracle(case)
+    verdict = judge_training(case, whole, rounded, shadow)
     verdict.checks[:0] = checks
     if not verdict.ok and explain(verdict.signature):
         _explain(verdict, pool, impl, case)

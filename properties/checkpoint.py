@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from hypothesis import assume
 from hypothesis import strategies as st
-from hypothesis.control import currently_in_test_context
 
 from tpdp_verify.cases.training import ENTRIES, TrainCase
+from tpdp_verify import hypothesis_internals
 from tpdp_verify.errors import UsageError
 from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
 from tpdp_verify.properties.exclusions import UNTRAINABLE
@@ -50,7 +50,7 @@ def sound(entry: str, route: str | None = None, model: str = "", case: TrainCase
 def _within(space: bool, case: TrainCase, route: str) -> None:
     """assume() while hypothesis draws; outside it (a replay, a baseline's rerun), where
     assume is deprecated, a case and route outside the property's space are a usage error."""
-    if currently_in_test_context():
+    if hypothesis_internals.in_test():
         assume(space)
     elif not space:
         raise UsageError(f"route {route!r} with {case.entry} and model {case.model!r} is outside this "

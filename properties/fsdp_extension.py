@@ -28,7 +28,7 @@ from tpdp_verify.properties.roundtrip import (
 )
 from tpdp_verify.properties.strategies import fsdp_cases, tensor_cases
 from tpdp_verify.ranks.observation import Check, observing
-from tpdp_verify.ranks.pool import device_type
+from tpdp_verify.ranks.rank import device_type
 from tpdp_verify.runner.property import tpdp_property
 
 
@@ -71,7 +71,7 @@ def _fsdp_checks(shard: torch.Tensor, local: torch.Tensor, back) -> list[Check]:
 def observe_flatten(case: TensorCase, impl_name: str) -> list[Check]:
     """On every rank: a DTensor parameter through pre_flatten and post_unflatten."""
     from tpdp_verify.impls.select import load_fsdp
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     ext = load_fsdp(impl_name, device_type())
     return round_trip_checks(case, device_mesh(case.mesh_shape), ext.pre_flatten_transform,
@@ -89,7 +89,7 @@ def fsdp_flatten_roundtrip(pool, impl: str, case: TensorCase) -> None:
 
 def _meshes(case: FSDPCase):
     """The root mesh, its FSDP sub-mesh (all dims but tp) and its tp sub-mesh."""
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     root = device_mesh(case.mesh_shape, case.mesh_names)
     return root, root[case.mesh_names[:-1]], root["tp"]

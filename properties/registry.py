@@ -89,7 +89,7 @@ def _short(value, limit: int = 300) -> str:
 def observe_registry(case: TreeCase, modes: list[tuple[str, bool]], impl_name: str) -> list[Check]:
     """On every rank: transform a model, run forwards in ``modes``, compare the registry."""
     from tpdp_verify.impls.select import load
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     impl = load(impl_name)
     model = build(case, device_mesh(case.mesh_shape))
@@ -126,7 +126,7 @@ def observe_paths(case: TreeCase, pick: int, impl_name: str) -> list[Check]:
     """On every rank: every parameter name resolves to its owner; a replacement touches
     exactly the slot it names."""
     from tpdp_verify.impls.select import load
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     impl = load(impl_name)
     model = build(case, device_mesh(case.mesh_shape))
@@ -192,7 +192,7 @@ def observe_ignored(case: TreeCase, mask: int, impl_name: str) -> list[Check]:
     from torch.distributed.tensor import DTensor
 
     from tpdp_verify.impls.select import load
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     impl = load(impl_name)
     model = build(case, device_mesh(case.mesh_shape))
@@ -241,7 +241,7 @@ def observe_tp_requires_grad(case: TrainCase, mask: int) -> list[Check]:
     """On every rank: freeze the parameters ``mask`` picks (by registration order), apply the
     fixture's TP as the training runs do, and compare every parameter's requires_grad."""
     from tpdp_verify.ranks.loop import build, fixture
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
     from tpdp_verify.ranks.tp_dp import apply_tp
 
     model = build(case)

@@ -166,7 +166,7 @@ def _identity_check(returned, plain: torch.Tensor, names: RoundTrip) -> Check:
 def observe_roundtrip(case: TensorCase, impl_name: str) -> list[Check]:
     """On every rank: round-trip a DTensor parameter through the implementation."""
     from tpdp_verify.impls.select import load
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     impl = load(impl_name)
     return round_trip_checks(case, device_mesh(case.mesh_shape), impl.flatten_tensor, impl.unflatten_tensor)

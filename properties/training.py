@@ -53,7 +53,8 @@ from tpdp_verify.properties.exclusions import (
     sound_habits,
     unsharded_after_forward,
 )
-from tpdp_verify.runner.property import tpdp_property, without_local_constants, worth_explaining
+from tpdp_verify.hypothesis_internals import without_local_constants
+from tpdp_verify.runner.property import tpdp_property, worth_explaining
 
 # 1e-6 MB is a few bytes: every gradient gets a bucket of its own, the most buckets DDP makes.
 BUCKET_CAPS = (None, 1e-6, 1e-4)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from tpdp_verify.fixtures import ZOO, Size
-from tpdp_verify.ranks.pool import device_mesh
+from tpdp_verify.ranks.rank import device_mesh
 
 
 def _full(t):

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpdp_verify.ranks.pool import caught, device_mesh, device_type
+from tpdp_verify.ranks.rank import caught, device_mesh, device_type
 
 
 def rank_and_sum(tag):

@@ -218,8 +218,8 @@ def test_gate_json_has_the_header_and_an_entry_per_property(torch_gate, passes):
         "command": "gate", "impl": "torch", "profile": "smoke", "backend": "auto",
         "world_sizes": [2], "exit_code": out.returncode, "error": ""}
     assert [p["name"] for p in record["properties"]] == [prop.name for prop in ALL]
-    assert record["counts"] == {"pass": len(passes), "known": 0, "diverges": len(ALL) - len(passes), "infra": 0,
-                                "interrupted": 0}
+    assert record["counts"] == {"pass": len(passes), "known": 0, "not_asked": 0, "diverges": len(ALL) - len(passes),
+                                "infra": 0, "interrupted": 0}
     assert record["interrupted"] is None
     for p, prop in zip(record["properties"], ALL):
         assert p["examples"] >= 1 and p["backend"] == "gloo"
@@ -528,3 +528,29 @@ def test_no_command_leaves_anything_in_the_temp_dir(tmp_path):
                              cwd=USER_MODELS)
         assert out.returncode in (0, 2), (args, out.stdout, out.stderr)
         assert sorted(p.name for p in temp.iterdir()) == [], args
+
+
+def test_every_gate_option_reaches_the_parts_of_jobs_or_says_why_not():
+    """--jobs runs the gate in parts, each given the run's options: read from the parser, so a
+    new option reaches them unless NOT_TO_PARTS says why not (it was a hand-made list, which
+    dropped what it did not name)."""
+    import argparse
+
+    from tpdp_verify import cli as cli_mod
+
+    checked = 0
+    for action in cli_mod._subparser("gate")._actions:
+        if not action.option_strings or set(action.option_strings) & set(cli_mod.NOT_TO_PARTS):
+            continue
+        option = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            given, want = [option], [option]
+        else:
+            value = next(c for c in action.choices if c != action.default) if action.choices else "7"
+            given, want = [option, value], [option, str(action.type(value) if action.type else value)]
+        parts = cli_mod.part_arguments(cli_mod._parser().parse_args(["gate", *given]))
+        at = parts.index(want[0]) if want[0] in parts else next(
+            i for i, p in enumerate(parts) if p in action.option_strings)
+        assert parts[at + 1: at + len(want)] == want[1:], (option, parts)
+        checked += 1
+    assert checked >= 12

@@ -27,6 +27,7 @@ from hypothesis.internal.conjecture import providers
 
 from tests.test_case_coverage import CI, drawn
 from tpdp_verify.properties.training import trains_like_one_device
+from tpdp_verify import hypothesis_internals
 from tpdp_verify.runner import property as property_mod
 from tpdp_verify.runner.property import Property
 
@@ -69,7 +70,7 @@ def test_a_search_draws_the_same_whatever_local_code_holds(tmp_path, monkeypatch
 
 def test_without_the_guard_the_same_search_moves(tmp_path, monkeypatch):
     """The test above can fail: hypothesis alone draws other seeds once local code holds more constants."""
-    monkeypatch.setattr(property_mod, "without_local_constants", contextlib.nullcontext)
+    monkeypatch.setattr(hypothesis_internals, "without_local_constants", contextlib.nullcontext)
     before = _seeds_drawn()
     _import_local_constants(tmp_path, monkeypatch)
     assert _seeds_drawn() != before

@@ -15,9 +15,9 @@ FOLDERS = {"tpdp_verify": "tpdp_verify", "tpdp_verify.oracles": "oracles",
 # Lowest first: a module imports only from its own layer and the layers below it.
 LAYERS = (
     ("tpdp_verify.errors", "tpdp_verify.signature", "tpdp_verify.stacks", "tpdp_verify.files",
-     "tpdp_verify.interrupts", "tpdp_verify.torch_internals", "tpdp_verify.status"),  # words every layer
-    # uses; ranks' stacks; writing files; signals; what each torch release calls its private state; what
-    # each status means (blocks, exit code)
+     "tpdp_verify.interrupts", "tpdp_verify.torch_internals", "tpdp_verify.hypothesis_internals",
+     "tpdp_verify.status"),  # words every layer uses; ranks' stacks; writing files; signals; what each
+    # torch release calls its private state; the hypothesis internals read; what each status means
     ("tpdp_verify.cases",),
     ("tpdp_verify.faults",),  # the catalog: which fault explains a case's failure
     ("tpdp_verify.fixtures",),

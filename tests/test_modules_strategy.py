@@ -75,7 +75,7 @@ def test_the_strategy_reaches_every_feature():
 
 def check_built_model(case: TreeCase) -> list[str]:
     """On every rank: build the case and compare the model with what the data says."""
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     mesh = device_mesh(case.mesh_shape)
     model = build(case, mesh)

@@ -91,9 +91,27 @@ def test_the_tpdp_fixture_verifies_a_users_plan(pytester):
         "*mesh (1, 2) compared *",
         "*mesh (2, 2) world 4",
         "*DIVERGES*",
-        "*trains without an exception*FAIL*in the forward of up*",
+        "*trains without an exception*FAIL*",
+        "*in the forward of up: RuntimeError*",
         "*tpdp-verify: plan key 'upp' matches no module of the model; did you mean 'up'?*",
     ])
     assert "in the forward of up" in (pytester.path / "plans.xml").read_text()
     result = pytester.runpytest_subprocess("--tpdp-impl", "reference", "-x", "-k", "swapped or typo")
     result.assert_outcomes(failed=1)
+
+
+def test_a_mistyped_marker_keyword_is_one_clear_error(pytester):
+    """``world_sise=4`` used to run the test on the default pool: now a usage error, naming the
+    test and the keyword meant, before any test runs."""
+    pytester.makepyfile(test_user="""
+import pytest
+
+@pytest.mark.tpdp(world_sise=4)
+def test_four(tpdp_pool):
+    assert tpdp_pool.world_size == 4
+""")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_user.py::test_four: the tpdp marker takes no keyword 'world_sise'; "
+                                 "did you mean 'world_size'?*"])
+    assert "Traceback" not in result.stderr.str() and "passed" not in result.stdout.str()

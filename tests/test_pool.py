@@ -137,6 +137,24 @@ def test_a_hang_names_every_silent_rank_stack_and_the_collective_they_wait_in(po
     assert pool.run(rank_fns.barrier_unless, 4) == ["returned"] * 4
 
 
+@pytest.mark.timeout(60)
+def test_a_hang_is_said_within_seconds_with_where_the_ranks_wait(pool, monkeypatch):
+    """A call unanswered for WAITING_NOTICE seconds is said once, naming the silent rank and
+    the collective it waits in, long before the timeout; the hang then ends as before, and
+    the stacks taken for the notice do not stand in for the timeout's."""
+    said = []
+    monkeypatch.setattr(pool_module, "WAITING_NOTICE", 1.0)
+    monkeypatch.setattr(pool, "waiting", said.append)
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        pool.run(rank_fns.lone_collective, 0)
+    assert len(said) == 1 and said[0].startswith("rank 0 of 4 has not answered `"), said
+    assert ":all_reduce" in said[0] and f"at the {TIMEOUT:g} s timeout" in said[0]
+    assert info.value.pending.endswith(":all_reduce") and info.value.stacks[0].count("Current thread") == 1
+    assert time.monotonic() - start >= TIMEOUT
+    assert pool.run(rank_fns.rank_and_sum, 1)[0][0] == 0 and len(said) == 1  # an answered call says nothing
+
+
 def test_per_call_timeout_overrides_the_pool_default(pool):
     with pytest.raises(RankTimeout) as info:
         pool.run(rank_fns.sleep, 3.0, timeout=1.0)

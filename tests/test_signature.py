@@ -90,7 +90,7 @@ def test_ranks_left_waiting_for_a_rank_that_raised_do_not_change_its_signature()
     """Whether a rank reaches the raise or a collective first is timing: the same fault
     has one signature whichever way its ranks went, and the report still names the wait."""
     from tpdp_verify.errors import RankFailed
-    from tpdp_verify.ranks.pool import CAUGHT_PART
+    from tpdp_verify.ranks.rank import CAUGHT_PART
     from tpdp_verify.runner.property import finding
 
     part = "raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"

@@ -329,3 +329,17 @@ def make_fixed_heads_llama():
         layer.attention = FixedHeads(8, 2, 4)
     return model
 
+
+
+def blocks_and_local_head(tp_mesh):
+    """llama_blocks, and the vocabulary head ColwiseParallel as written for loss_parallel but
+    without it: the head hands on its shard of the vocabulary, and a plain loss indexes past it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return llama_blocks(tp_mesh) | {"output": ColwiseParallel()}
+
+
+def token_loss(out, batch):
+    """Per-sample cross entropy over plain logits, as a user writes it without loss_parallel."""
+    n, seq = batch["target"].shape
+    return F.cross_entropy(out.flatten(0, 1), batch["target"].flatten(), reduction="none").view(n, seq).mean(1)

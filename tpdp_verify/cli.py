@@ -276,13 +276,8 @@ def _gate_in_parts(args: argparse.Namespace, files: dict[str, str], n: int) -> i
     run = _GateRun(args, files)
     run.suite = load_suite(args.suite)
     _select(args, run)
-    given = {"--profile": args.profile, "--impl": args.impl, "--backend": args.backend, "--timeout": args.timeout,
-             "--suite": args.suite, "--seed": args.seed, "-k": args.keyword, "--baseline": args.baseline,
-             "--baseline-python": args.baseline_python, "--memo": args.memo}
-    gate_args = [x for option, value in given.items() if value is not None for x in (option, str(value))]
-    gate_args += ["--no-install"] * args.no_install
     print(f"{n} parts at once, each a gate process with its own ranks", flush=True)
-    parts, stopped = jobs.run(gate_args + ["-v"] * args.verbose, n, lambda line: print(line, flush=True))
+    parts, stopped = jobs.run(part_arguments(args), n, lambda line: print(line, flush=True))
     merged = merge.merge(parts)
     print()
     print(merge.summary(merged, "gate"))
@@ -291,6 +286,34 @@ def _gate_in_parts(args: argparse.Namespace, files: dict[str, str], n: int) -> i
         print(f"tpdp-verify: interrupted by {stopped.name}: each part wrote what it judged"
               + (f"; written to {', '.join(files.values())}" if files else ""), file=sys.stderr)
     return merged["exit_code"]
+
+
+# What a --jobs part is not given of the run's own arguments, and why; every other gate option
+# goes to each part as given (part_arguments), so that a new option cannot be dropped.
+NOT_TO_PARTS = {"--jobs": "the parts are the jobs", "--shard": "each part gets its own (runner/jobs.py)",
+                "--json": "each part writes its own, merged here", "--junit": "written here from the merged parts",
+                "--markdown": "written here from the merged parts", "--help": "not a run's"}
+
+
+def part_arguments(args: argparse.Namespace) -> list[str]:
+    """The gate arguments each --jobs part runs with: the run's own, read from the parser's
+    options (NOT_TO_PARTS aside)."""
+    out = []
+    for action in _subparser("gate")._actions:
+        option = next((o for o in action.option_strings if o.startswith("--")), None) or \
+            (action.option_strings or [None])[0]
+        if option is None or option in NOT_TO_PARTS:
+            continue
+        value = getattr(args, action.dest)
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out += [option] if value != action.default else []
+        elif value is not None:
+            out += [option, str(value)]
+    return out
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    return next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
 
 
 class _GateRun:
@@ -568,7 +591,8 @@ def _run_plan(args: argparse.Namespace, files: dict[str, str], given: dict, star
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
                          backend=args.backend, timeout=args.timeout, baseline=args.baseline,
-                         replay=_replay_line(), rank_output=logs)
+                         replay=_replay_line(), rank_output=logs,
+                         waiting=lambda line: print(f"tpdp-verify: {line}", file=sys.stderr, flush=True))
     print(report)
     code = report.status.exit_code
     outputs.write(files, outputs.plan_record(report, code, started, time.monotonic() - start))

@@ -54,6 +54,26 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+MARKER_KEYWORDS = ("world_size", "mesh")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A tpdp marker with a keyword it does not take (``world_sise=4``) would run the test on
+    the default pool, silently: refused, in one line, before any test runs."""
+    import difflib
+
+    for item in items:
+        for marker in item.iter_markers("tpdp"):
+            wrong = [k for k in marker.kwargs if k not in MARKER_KEYWORDS]
+            if marker.args or wrong:
+                near = difflib.get_close_matches(wrong[0], MARKER_KEYWORDS, n=1) if wrong else []
+                what = f"keyword {wrong[0]!r}" if wrong else f"positional argument {marker.args[0]!r}"
+                raise pytest.UsageError(
+                    f"tpdp-verify: {item.nodeid}: the tpdp marker takes no {what}"
+                    + (f"; did you mean {near[0]!r}?" if near else "")
+                    + f"; it takes {' and '.join(f'{k}=' for k in MARKER_KEYWORDS)}")
+
+
 def pytest_collect_file(file_path, parent: pytest.Collector):
     from tpdp_verify.collect import suite_file
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 from tpdp_verify import faults
@@ -92,6 +93,33 @@ class Line:
         if not self.ok:
             return "FAIL", self.detail
         return "ok", f"{self.worst:.3g} of the bound" if self.worst else self.detail
+
+
+WIDTH = 100  # a report's lines: a terminal's, a CI log's
+
+
+def _row(check: str, result: str, detail: str, compared: int, most: int = 2) -> list[str]:
+    """A check's row of the table, its detail folded under the detail column: ``most`` lines
+    of a failure's (the report below says it whole, once: a list of names is not said three
+    times), all of any other's."""
+    head = f"  {check:<30}{result:<8}{compared:>9}  "
+    rows = textwrap.wrap(detail, WIDTH, initial_indent=head, subsequent_indent=" " * len(head),
+                         break_on_hyphens=False) or [head.rstrip()]
+    if result == "FAIL" and len(rows) > most:
+        last = textwrap.shorten(rows[most - 1].strip(), WIDTH - len(head) - 4, placeholder="")
+        rows = rows[:most - 1] + [" " * len(head) + last + " ..."]
+    return rows
+
+
+def _fold(line: str) -> list[str]:
+    """A line of prose within WIDTH, its continuation indented two more than it; a line of
+    the values' table as it is (its columns must stay aligned)."""
+    if len(line) <= WIDTH or line.lstrip().startswith(("value ", "gradient ", "parameter ", "optimizer ", "check ")) \
+            or line.startswith(" " * 50):  # a table's columns, or a row folded already
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()))
+    return textwrap.wrap(line.strip(), WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False, break_long_words=False) or [line]
 
 
 def _few(names: list[str], n: int = 4) -> str:
@@ -253,8 +281,7 @@ class Report:
         out = [self._title(), *self._catalog_lines(), "",
                f"  {'check':<30}{'result':<8}{'compared':>9}  worst ratio / detail"]
         for line in self.lines:
-            result, detail = line.cell(self._reached)
-            out.append(f"  {line.check:<30}{result:<8}{line.compared:>9}  {detail}".rstrip())
+            out += _row(line.check, *line.cell(self._reached), line.compared)
         # Against one device first; plain DDP's own report only adds news when that passed.
         if self.one_device.unread:
             out += ["", "output leaves not compared: " + "; ".join(self.one_device.unread)]
@@ -263,6 +290,7 @@ class Report:
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
         if not verdict.ok:
             out += ["", verdict.report()]
+        out = out[:1] + [folded for line in "\n".join(out[1:]).splitlines() for folded in _fold(line)]
         out += ["", f"replay: {self.replay}" if "\n" not in self.replay.strip() else
                 "replay (save as a file and run it with python):\n" + self.replay.rstrip()]
         return "\n".join(out)

@@ -333,7 +333,7 @@ class TrainCase:
     def _repr_pretty_(self, p, cycle) -> None:
         """How hypothesis prints a case: as repr does, without the user's model (hypothesis
         prints every field of a dataclass otherwise)."""
-        from hypothesis.vendor.pretty import pprint_fields
+        from tpdp_verify.hypothesis_internals import pprint_fields
 
         pprint_fields(self, p, cycle, self._shown())
 

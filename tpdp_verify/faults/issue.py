@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -63,8 +65,11 @@ def _torch_version(python: str) -> str:
     return done.stdout.strip()
 
 
-def source(ref: str) -> str:
-    """torch's code at ``module:qualname``, as this interpreter's torch has it, with its file and lines."""
+def source(ref: str, marks: tuple[str, ...] = ()) -> str:
+    """Where torch's code at ``module:qualname`` is, as this interpreter's torch has it: its
+    file and lines, and of its body the lines at fault (those naming one of ``marks``, the
+    identifiers the fault's text names), each with its number; the whole function only where
+    no line names one."""
     module, _, qualname = ref.partition(":")
     try:
         obj = importlib.import_module(module)
@@ -75,9 +80,52 @@ def source(ref: str) -> str:
     except (ImportError, AttributeError, OSError, TypeError) as exc:
         return f"`{ref}`: not in this torch ({type(exc).__name__}: {exc})"
     shown = Path(path).as_posix()
-    shown = shown[shown.rindex("torch/"):] if "torch/" in shown else shown
-    return "\n".join([f"`{shown}`, lines {first}-{first + len(lines) - 1} (`{qualname}`):", "",
-                      "```python", "".join(lines).rstrip(), "```"])
+    shown = shown[shown.rindex("torch/"):] if "torch/" in shown else Path(shown).name
+    at = [i for i, line in enumerate(lines) if i and any(re.search(rf"(?<!\w){re.escape(m)}(?!\w)", line)
+                                                          for m in marks)]
+    keep = sorted({0, *at}) if at else range(len(lines))
+    body, last = [], -1
+    for i in keep:
+        if i > last + 1:
+            body.append("    ...")
+        body.append(f"{first + i:>5}  {lines[i].rstrip()}")
+        last = i
+    body += ["    ..."] if at and last < len(lines) - 1 else []
+    return "\n".join([f"`{shown}`, lines {first}-{first + len(lines) - 1} (`{qualname}`)"
+                      + (", the lines at fault:" if at else ":"), "", "```python", *body, "```"])
+
+
+def marks(f: Fault) -> tuple[str, ...]:
+    """The identifiers a fault's text names in backticks (``requires_grad_()``, ``nn.Parameter(t)``):
+    what marks its lines in torch's code."""
+    out = []
+    for quoted in re.findall(r"`([^`]+)`", f.what):
+        name = re.match(r"[A-Za-z_][\w.]*", quoted)
+        if name and len(name[0]) > 3 and name[0] not in out:
+            out.append(name[0])
+    return tuple(out)
+
+
+def environment(python: str = "") -> str:
+    """The environment block maintainers ask for (torch.utils.collect_env) of ``python``
+    (this interpreter by default), its local paths left out."""
+    try:
+        done = subprocess.run([python or sys.executable, "-m", "torch.utils.collect_env"], capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        text = (done.stdout.strip() or done.stderr.strip()[-1000:]).removeprefix("Collecting environment information...")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = f"(torch.utils.collect_env did not run: {exc})"
+    return unlocal(text.strip())
+
+
+def unlocal(text: str) -> str:
+    """``text`` without this machine's paths: the home directory, the interpreters' prefixes,
+    the working directory (a draft is filed as it is; where a user keeps things is theirs)."""
+    places = {sys.prefix: "<env>", sys.base_prefix: "<python>", os.getcwd(): "<cwd>", str(Path.home()): "~"}
+    for place, said in sorted(places.items(), key=lambda p: -len(p[0])):
+        if len(place) > 1:
+            text = text.replace(place, said)
+    return text
 
 
 def for_fault(f: Fault, pythons: list[str], runs: bool = True) -> str:
@@ -95,15 +143,16 @@ def for_fault(f: Fault, pythons: list[str], runs: bool = True) -> str:
     if shown:
         out += ["### Expected and actual", ""]
         for s in shown:
-            out += [f"torch {s.torch} (`{s.python}`): {s.verdict}", "", "```", s.output or "(nothing printed)", "```", ""]
+            out += [f"torch {s.torch}: {s.verdict}", "", "```", unlocal(s.output) or "(nothing printed)", "```", ""]
         present = sorted({s.torch for s in shown if s.code == 1})
         absent = sorted({s.torch for s in shown if s.code == 0})
         out += [f"Releases that show it here: {', '.join(present) or 'none of those run'}"
                 + (f"; that do not: {', '.join(absent)}" if absent else "") + ".", ""]
     out += [f"### Where (torch {torch.__version__} as installed)", ""]
     for ref in f.source:
-        out += [source(ref), ""]
+        out += [source(ref, marks(f)), ""]
     out += ["### Workaround", "", _sentence(f.workaround), ""]
+    out += ["### Environment", "", "```", environment(), "```", ""]
     out += ["### Related", "", f"Upstream: {', '.join(f.upstream)}" if f.upstream else
             "No upstream issue or pull request was found for it.",
             f"Found by tpdp-verify (fault {f.number} of its catalog: `tpdp-verify explain {f.number}`)."]
@@ -160,8 +209,9 @@ def for_finding(record: dict, which: int) -> str:
         out += ["### Reproduction (tpdp-verify's replay of the shrunk case)", "", "```python", f["replay"].rstrip(),
                 "```", ""]
     out += ["### Environment", "", f"torch {record['torch']}, python {record['python']}, backend {record['backend']}, "
-            f"tpdp-verify {record['tpdp_verify']}, profile {record['profile']}, seed {record.get('seed')}."]
-    return "\n".join(out) + "\n"
+            f"tpdp-verify {record['tpdp_verify']}, profile {record['profile']}, seed {record.get('seed')}.", "",
+            "```", environment(), "```"]
+    return unlocal("\n".join(out)) + "\n"
 
 
 def interpreters(given: list[str] | None) -> list[str]:

@@ -1,14 +1,14 @@
-"""How far a TP+DP value may be from the exact one: a bound earned by a baseline run.
+"""How far a TP+DP value may be from the exact one: a bound earned by the rounded run.
 
 Every value (gradient, parameter, optimizer state, output) has a float64 shadow: the same
-single-device computation in float64, taken as exact. A float32 baseline run of the same
+single-device computation in float64, taken as exact. A float32 run of the same (the rounded run)
 computation (one device, or plain DDP) has some error against it; reordering the same
 float32 sums (TP splits a matmul's reduction, DP averages over ranks) moves the result by
 errors of the same size. So the TP+DP run may be off the shadow by at most
 
-    bound = SAFETY * (max|baseline - shadow| + eps(dtype) * max|shadow|) + eps(dtype) * scale
+    bound = SAFETY * (max|rounded - shadow| + eps(dtype) * max|shadow|) + eps(dtype) * scale
 
-where the first eps term keeps the bound honest when the baseline is exact by luck, and
+where the first eps term keeps the bound honest when the rounded run is exact by luck, and
 ``scale`` is the largest magnitude among all values of the same kind at the same step
 (every gradient of the model at step k): a value that is zero but for rounding, whose
 float32 noise comes from cancelling terms as large as its neighbours, is allowed one unit
@@ -20,9 +20,9 @@ In half precision that bound is 32 units of the last place of a tensor's largest
 a half-precision case are judged as whole tensors too: their root-mean-square error
 against the shadow, relative to the shadow's, may be at most
 
-    WHOLE_SAFETY * rms(baseline - shadow) / rms(shadow) + WHOLE_FLOOR * eps(dtype)
+    WHOLE_SAFETY * rms(rounded - shadow) / rms(shadow) + WHOLE_FLOOR * eps(dtype)
 
-The baseline runs with the same casts (the case's dtype on one device, or plain DP with
+The rounded run has the same casts (the case's dtype on one device, or plain DP with
 the same option), and in the first step both runs start from the same parameters, so
 only the order of half-precision sums differs; later steps start from parameters already
 a rounding apart, which half precision amplifies, and keep the 32-unit bound alone.
@@ -71,17 +71,17 @@ def _ratio(error: float, bound: float) -> float:
     return error / bound
 
 
-def bound(baseline: torch.Tensor, shadow: torch.Tensor, dtype: torch.dtype = torch.float32,
+def bound(rounded: torch.Tensor, shadow: torch.Tensor, dtype: torch.dtype = torch.float32,
           scale: float = 0.0) -> float:
     shadow = shadow.double()
     if shadow.numel() == 0:
         return 0.0
     eps = torch.finfo(dtype).eps
-    baseline_error = (baseline.double() - shadow).abs().max().item()
-    return SAFETY * (baseline_error + eps * shadow.abs().max().item()) + eps * scale
+    rounded_error = (rounded.double() - shadow).abs().max().item()
+    return SAFETY * (rounded_error + eps * shadow.abs().max().item()) + eps * scale
 
 
-def whole_error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
+def whole_error(observed: torch.Tensor, rounded: torch.Tensor, shadow: torch.Tensor,
                 dtype: torch.dtype) -> tuple[float, float]:
     """(rms(observed - shadow), its bound), both relative to rms(shadow): see above."""
     shadow = shadow.double()
@@ -89,13 +89,13 @@ def whole_error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Te
     if size == 0.0:
         return 0.0, 0.0  # nothing to scale: the max bound judges it alone
     return ((observed.double() - shadow).norm().item() / size,
-            WHOLE_SAFETY * (baseline.double() - shadow).norm().item() / size + WHOLE_FLOOR * torch.finfo(dtype).eps)
+            WHOLE_SAFETY * (rounded.double() - shadow).norm().item() / size + WHOLE_FLOOR * torch.finfo(dtype).eps)
 
 
-def error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
+def error(observed: torch.Tensor, rounded: torch.Tensor, shadow: torch.Tensor,
           dtype: torch.dtype = torch.float32, scale: float = 0.0, whole: bool = False,
           slack: torch.Tensor | None = None) -> Error:
-    """``observed`` against ``shadow``, bounded by how far ``baseline`` is from it.
+    """``observed`` against ``shadow``, bounded by how far ``rounded`` is from it.
 
     ``scale``: the largest magnitude among the values of this kind at this step (see above);
     ``whole``: judge the tensor as a whole too, where ``dtype`` is a half one; ``slack``: an
@@ -112,5 +112,5 @@ def error(observed: torch.Tensor, baseline: torch.Tensor, shadow: torch.Tensor,
     max_abs = float("inf") if not torch.isfinite(diff).all() else diff.max().item()
     largest = shadow.abs().max().item()
     return Error(max_abs, max_abs / largest if largest else (0.0 if max_abs == 0 else float("inf")),
-                 bound(baseline, shadow, dtype, scale),
-                 whole_error(observed, baseline, shadow, dtype) if whole and dtype in HALF else None)
+                 bound(rounded, shadow, dtype, scale),
+                 whole_error(observed, rounded, shadow, dtype) if whole and dtype in HALF else None)

@@ -1,12 +1,14 @@
 """Judging a TP+DP run against an oracle: every value within its bound, every rank agreeing.
 
 ``assemble`` turns the ranks' traces into one global trace (the dp groups' rows put back
-together) and checks that replicas agree; ``judge_training`` compares it with a baseline and
+together) and checks that replicas agree; ``judge_training`` compares it with the rounded run and
 the float64 shadow, value by value, and returns a ``Verdict`` whose report names what
 departs, by how much, and from which module on.
 """
 
 from __future__ import annotations
+
+import textwrap
 
 from dataclasses import dataclass, field
 
@@ -41,6 +43,7 @@ class Verdict:
     checks: list[Check] = field(default_factory=list)  # exact, structural comparisons
     rows: list[Row] = field(default_factory=list)  # comparisons within a bound
     first_module: str | None = None  # set by localization when values depart
+    cause: str = ""  # what may cause it there: a head's shard handed on, what feeds the first module
     against: str = "one device"  # the oracle; "" for checks the ranks made themselves
     plain_ddp: str = ""  # on a departure: how the same DP entry point without TP fares
     beside: str = "the same DP entry point without TP"  # the run plain_ddp speaks of
@@ -119,6 +122,7 @@ class Verdict:
             lines = [f"{len(bad_checks)} of {len(self.checks)} checks failed:"]
         if self.first_module is not None:
             lines.append(f"first module whose output departs (forward order): {self.first_module}")
+            lines += textwrap.wrap(self.cause, 100, initial_indent="  ", subsequent_indent="  ")
         if self.plain_ddp:
             lines.append(f"{self.beside}: {self.plain_ddp}")
         if self.unobserved:
@@ -248,7 +252,7 @@ def _as_whole(err: Error) -> str:
 # --------------------------------------------------------------------------- judging
 
 
-def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, out: Verdict,
+def _values(what: str, step: int, observed: dict, rounded: dict, shadow: dict, out: Verdict,
             dtype: torch.dtype, slack: dict | None = None) -> None:
     if not shadow and not observed:
         return  # none to compare (a model without buffers): no check that compared nothing
@@ -261,7 +265,7 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
     for name in shadow:
         if name not in observed:
             continue
-        got, base, exact = observed[name], baseline[name], shadow[name]
+        got, base, exact = observed[name], rounded[name], shadow[name]
         if (got is None) != (exact is None):
             out.checks.append(Check(f"{what} present where the oracle has one", False,
                                     f"step {step}: {name}: {'none' if got is None else 'one'} "
@@ -278,9 +282,9 @@ def _values(what: str, step: int, observed: dict, baseline: dict, shadow: dict, 
                                                     slack=(slack or {}).get(name))))
 
 
-def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Trace,
+def judge_training(case: TrainCase, observed: Trace, rounded: Trace, shadow: Trace,
           against: str = "one device") -> Verdict:
-    """Compare a global trace with a baseline in the case's dtype and the float64 shadow;
+    """Compare a global trace with the rounded run (one device, the case's dtype) and the float64 shadow;
     where an option rounds values to half precision on the way (a compressing comm hook,
     mixed precision), that dtype is the floor of every bound (docs/tolerance.md)."""
     dtype = case.wire_dtype
@@ -298,31 +302,31 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     if case.habits.ignored:
         v.checks.append(Check("what DP is told to ignore stays as the user left it", not observed.ignored,
                               "; ".join(observed.ignored)))
-    for i, (o, b, s) in enumerate(zip(observed.outputs, baseline.outputs, shadow.outputs), 1):
+    for i, (o, b, s) in enumerate(zip(observed.outputs, rounded.outputs, shadow.outputs), 1):
         _values("output", i, o, b, s, v, dtype)
-    for i, (o, b, s) in enumerate(zip(observed.losses, baseline.losses, shadow.losses), 1):
+    for i, (o, b, s) in enumerate(zip(observed.losses, rounded.losses, shadow.losses), 1):
         _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
-    for i, (o, b, s) in enumerate(zip(observed.direct, baseline.direct, shadow.direct), 1):
+    for i, (o, b, s) in enumerate(zip(observed.direct, rounded.direct, shadow.direct), 1):
         _direct(i, o, b, s, v, dtype)
     if len(observed.direct) != len(shadow.direct):
         v.checks.append(Check("calls a block directly as often as the oracle", False,
                               f"{len(observed.direct)} direct calls, the oracle {len(shadow.direct)}"))
-    _values("parameter", 0, observed.params[0], baseline.params[0], shadow.params[0], v, dtype)
-    for i, (o, b, s) in enumerate(zip(observed.norms, baseline.norms, shadow.norms), 1):
+    _values("parameter", 0, observed.params[0], rounded.params[0], shadow.params[0], v, dtype)
+    for i, (o, b, s) in enumerate(zip(observed.norms, rounded.norms, shadow.norms), 1):
         _values("gradient norm", i, {k: torch.tensor(x) for k, x in o.items()}, _per_rank(b, o), _per_rank(s, o),
                 v, dtype)
     if len(observed.norms) != len(shadow.norms):
         v.checks.append(Check("clips as often as the oracle", False,
                               f"{len(observed.norms)} gradient norms, the oracle {len(shadow.norms)}"))
-    slack = _adam_slack(case, baseline, shadow, dtype)
+    slack = _adam_slack(case, rounded, shadow, dtype)
     for step in range(1, len(shadow.grads) + 1):
-        _values("gradient", step, observed.grads[step - 1], baseline.grads[step - 1], shadow.grads[step - 1], v, dtype)
-        _values("parameter", step, observed.params[step], baseline.params[step], shadow.params[step], v, dtype,
+        _values("gradient", step, observed.grads[step - 1], rounded.grads[step - 1], shadow.grads[step - 1], v, dtype)
+        _values("parameter", step, observed.params[step], rounded.params[step], shadow.params[step], v, dtype,
                 slack[step - 1])
         if not observed.state_unobserved:
-            _values("optimizer state", step, observed.state[step - 1], baseline.state[step - 1],
+            _values("optimizer state", step, observed.state[step - 1], rounded.state[step - 1],
                     shadow.state[step - 1], v, dtype)
-        _values("buffer", step, observed.buffers[step - 1], baseline.buffers[step - 1],
+        _values("buffer", step, observed.buffers[step - 1], rounded.buffers[step - 1],
                 shadow.buffers[step - 1], v, dtype)
     for name in frozen:
         kept = all(torch.equal(p[name], observed.params[0][name]) for p in observed.params if name in p)
@@ -331,7 +335,7 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
         # Moving means moving beyond rounding noise: a gradient that is zero but for its
         # rounding (a norm over one element) moves the oracle by less than the bound.
         drift = (shadow.params[-1][name] - shadow.params[0][name]).abs()
-        if drift.numel() == 0 or drift.max() <= bound(baseline.params[-1][name], shadow.params[-1][name], dtype):
+        if drift.numel() == 0 or drift.max() <= bound(rounded.params[-1][name], shadow.params[-1][name], dtype):
             continue
         got = name in observed.params[-1] and not torch.equal(observed.params[-1][name], observed.params[0][name])
         v.checks.append(Check("trainable parameters move as in the oracle", got,
@@ -343,7 +347,7 @@ def judge_training(case: TrainCase, observed: Trace, baseline: Trace, shadow: Tr
     return v
 
 
-def _adam_slack(case: TrainCase, baseline: Trace, shadow: Trace, dtype: torch.dtype) -> list[dict]:
+def _adam_slack(case: TrainCase, rounded: Trace, shadow: Trace, dtype: torch.dtype) -> list[dict]:
     """Per step, per parameter: how far Adam may move an element by rounding alone.
 
     Adam's first step moves an element by lr * g / (|g| + eps): lr, whatever |g|, unless g is
@@ -359,7 +363,7 @@ def _adam_slack(case: TrainCase, baseline: Trace, shadow: Trace, dtype: torch.dt
         return [{} for _ in range(steps)]
     out, flips = [], {}
     for step in range(steps):
-        exact, base = shadow.grads[step], baseline.grads[step]
+        exact, base = shadow.grads[step], rounded.grads[step]
         scale = max((g.abs().max().item() for g in exact.values() if g is not None and g.numel()), default=0.0)
         for name, g in exact.items():
             if g is None or base.get(name) is None or not g.numel():
@@ -370,7 +374,7 @@ def _adam_slack(case: TrainCase, baseline: Trace, shadow: Trace, dtype: torch.dt
     return out
 
 
-def _direct(step: int, observed: tuple, baseline: tuple, shadow: tuple, out: Verdict, dtype: torch.dtype) -> None:
+def _direct(step: int, observed: tuple, rounded: tuple, shadow: tuple, out: Verdict, dtype: torch.dtype) -> None:
     """A block called directly between steps (Habits.between "submodule"): its output, put
     together from what the runs hold, against the oracle's."""
     name, exact = shadow
@@ -378,9 +382,9 @@ def _direct(step: int, observed: tuple, baseline: tuple, shadow: tuple, out: Ver
         out.checks.append(Check("calls the oracle's block directly", False,
                                 f"step {step}: called {observed[0]}, the oracle {name}"))
         return
-    got, base = _put_together(observed[1], exact.shape), _put_together(baseline[1], exact.shape)
+    got, base = _put_together(observed[1], exact.shape), _put_together(rounded[1], exact.shape)
     if got is None or base is None:
-        held = observed[1] if got is None else baseline[1]
+        held = observed[1] if got is None else rounded[1]
         out.checks.append(Check("a block's direct output puts back together", False,
                                 f"step {step}: {name}: pieces of shapes {[[tuple(p.shape) for p in g] for g in held]} "
                                 f"make no {tuple(exact.shape)}"))
@@ -422,7 +426,7 @@ def _registry(observed: list[str], oracle: list[str], tied: list[tuple[str, ...]
     return Check("parameters stay registered, in order", observed == oracle, detail)
 
 
-def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Trace) -> str | None:
+def localize(observed: list[Trace], case: TrainCase, rounded: Trace, shadow: Trace) -> str | None:
     """The first module, in the order outputs were produced, whose output leaves its bound.
 
     ``observed`` are the ranks' traces of a run with activations captured. A module's
@@ -446,9 +450,37 @@ def localize(observed: list[Trace], case: TrainCase, baseline: Trace, shadow: Tr
         if any(p is None for p in pieces):
             continue  # an output whose layout cannot be put back; the next module decides
         got = torch.cat(pieces)
-        if not error(got, baseline.activations[i][1], exact, case.wire_dtype).ok:
+        if not error(got, rounded.activations[i][1], exact, case.wire_dtype).ok:
             return name or "<the whole model>"
     return _shape_break(observed[0], shadow)
+
+
+def upstream(name: str, shadow: Trace) -> str:
+    """Where to look besides the first module whose output departs: what feeds it. A module
+    whose own work is right departs when its input is wrong without departing where the
+    outputs are compared: its owner's code between its children (a split into heads, a view)
+    or the layout the module before it hands on."""
+    names = [n for n, _ in shadow.activations]
+    if name not in names or names.index(name) == 0:
+        return ""
+    before, owner = names[names.index(name) - 1], name.rpartition(".")[0]
+    code = f"{owner}'s own forward code (a split into heads, a view, a reshape), " if owner else ""
+    return (f"it may only be fed wrongly: its input comes through {code}after {before or '<the whole model>'}"
+            f"'s output; look there too")
+
+
+def handed_on_shard(observed: Trace, shadow: Trace) -> tuple[str, str] | None:
+    """A run that raised after the forward (in the loss): the module from which on every output
+    has another shape than the unsharded model's, where the model's output has, and the
+    cause in words; None where the output's shape is right."""
+    name = _shape_break(observed, shadow)
+    if name is None:
+        return None
+    got, want = observed.activations[-1][1].shape, shadow.activations[-1][1].shape
+    return name, (f"{name} hands on its tp shard: the model's output is {list(got)} on each rank, the unsharded "
+                  f"model's {list(want)}, and the loss gets the shard. A head's output must be whole for a plain "
+                  "loss: ColwiseParallel(output_layouts=Replicate()), or use_local_output=False with the loss "
+                  "under loss_parallel() (--loss-parallel)")
 
 
 def _shape_break(observed: Trace, shadow: Trace) -> str | None:

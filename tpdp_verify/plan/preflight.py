@@ -184,7 +184,7 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from tpdp_verify.ranks.loop import build, fixture
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
     from tpdp_verify.ranks.tp_dp import plan_for
 
     mesh = device_mesh(case.mesh_shape, case.mesh_dims)
@@ -328,7 +328,7 @@ def check_on_ranks(pool, case: TrainCase) -> tuple[int, str, str]:
 
 def _plan_keys(case: TrainCase) -> list[str]:
     from tpdp_verify.ranks.loop import fixture
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
     from tpdp_verify.ranks.tp_dp import plan_for
 
     return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, case.mesh_dims)["tp"]))
@@ -339,7 +339,7 @@ def _sharded(case: TrainCase) -> tuple[int, str, str]:
     TP, the DP entry point it trains under and how that sees the mesh."""
     from tpdp_verify.ranks.entries import own_entry, spmd_form
     from tpdp_verify.ranks.loop import build, fixture
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
     from tpdp_verify.ranks.tp_dp import apply_tp
 
     model = build(case)

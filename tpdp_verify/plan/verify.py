@@ -26,7 +26,8 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
-                replay: str | None = None, baseline: str | None = None, rank_output: str | None = None):
+                replay: str | None = None, baseline: str | None = None, rank_output: str | None = None,
+                waiting: Callable[[str], None] | None = None):
     """Train ``model_fn()`` under ``plan`` with TP on a (dp, tp) mesh, or a (dp_replicate,
     dp_shard, tp) one, and a DP entry point, and compare it with one device and with plain
     DP; return a ``Report``.
@@ -60,7 +61,9 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     fault, and the report passes (status KNOWN) when nothing else departs. The evidence is
     the same case run again with tpdp-verify's reference transform in torch's place: a part
     that run does not show is torch's; every other departure is the plan's. ``rank_output``: a directory for
-    the ranks' stdout and stderr (torch's warnings, C++ logs), else the terminal.
+    the ranks' stdout and stderr (torch's warnings, C++ logs), else the terminal. ``waiting``: told in
+    a line when the ranks have not answered for 10 s (tpdp_verify.ranks.pool.WAITING_NOTICE), and where
+    they wait: a hang says so within seconds, not at the timeout.
 
     Every callable must be importable by name (module level): the ranks are other processes.
     Raises ``UsageError`` (one line) on bad input, ``PoolError`` if the ranks would not
@@ -95,7 +98,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
 
         warm_up(tuple(dict.fromkeys(fn.__module__ for fn in (model_fn, input_fn, loss_fn, optimizer_fn, parallelize_fn)
                                     if fn is not None and fn.__module__ not in ("__main__", "__mp_main__"))))
-    pool = RankPool(world, backend, timeout=timeout, output=rank_output) if owned else pool
+    pool = RankPool(world, backend, timeout=timeout, output=rank_output, waiting=waiting) if owned else pool
     keys, entry, spmd = 0, case.entry, case.dp_mesh_dims
     try:
         keys, entry, spmd = check_on_ranks(pool, case)
@@ -166,7 +169,7 @@ def _did_not_finish(exc: BaseException):
 
 def _headline(exc: BaseException) -> str:
     """What happened, in the words of the first rank that raised, or the pool's for a hang or death."""
-    from tpdp_verify.ranks.pool import CAUGHT_PART
+    from tpdp_verify.ranks.rank import CAUGHT_PART
 
     if not isinstance(exc, RankFailed):
         return str(exc).splitlines()[0]

@@ -39,7 +39,7 @@ from tpdp_verify.ranks.loop import (
     whole,
 )
 from tpdp_verify.ranks.observation import Observation
-from tpdp_verify.ranks.pool import caught
+from tpdp_verify.ranks.rank import caught
 from tpdp_verify.ranks.tp_dp import parter, run_of, tp_model
 
 # How a checkpoint travels from the trained model to the fresh one:
@@ -198,7 +198,7 @@ def observe_checkpoint(case: TrainCase, impl_name: str, route: str | None, direc
     ``directory`` is where the dcp route writes; every rank must get the same, empty one.
     """
     from tpdp_verify.impls.select import installed, load
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     impl, seen = load(impl_name), Seen()
     mesh = device_mesh(case.mesh_shape, case.mesh_dims)

@@ -186,7 +186,7 @@ def wrap_fsdp1(model, case: TrainCase, mesh, impl) -> Wrapped:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
-    from tpdp_verify.ranks.pool import device_type
+    from tpdp_verify.ranks.rank import device_type
 
     # FSDP1 runs on the CPU only when told to: without device_id it looks for an accelerator.
     device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")

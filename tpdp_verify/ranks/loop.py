@@ -21,7 +21,7 @@ from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.fixtures.zoo import ZOO, Fixture
 from tpdp_verify.ranks import taps
 from tpdp_verify.ranks.observation import Observation
-from tpdp_verify.ranks.pool import caught
+from tpdp_verify.ranks.rank import caught
 
 LR = {"sgd": 0.1, "adam": 1e-2}
 UNIT = "_fsdp_wrapped_module"  # FSDP1's attribute for a unit's module (auto_wrap_policy nests units)

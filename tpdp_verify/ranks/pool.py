@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import faulthandler
-import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -34,18 +32,15 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
-import traceback
-import warnings
 import weakref
 from typing import Any, Callable
 
 from tpdp_verify import stacks as stacks_of
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout, UsageError
 from tpdp_verify.files import inductor_cache
-
-_STOP = b"stop"
+from tpdp_verify.ranks import rank as rank_side
+from tpdp_verify.ranks.rank import Error, Ok, Reply, Stuck
 
 # What the gate and the pytest plugin pass as max_rss_growth: a rank seeing new shapes
 # grows steadily (torch's shape-keyed caches), about 60 KB a training case; recycling it
@@ -56,13 +51,9 @@ BASELINE_CALL = 20  # a generation's size is taken after this call: imports and 
 # the shortest hang timeout after a first hang (RankPool's after_hang): a first call after a
 # respawn (meshes, imports) takes a few seconds on 2 cores, a release case at world size 8 more
 HANG_FLOOR = 20.0
-
-# ---------------------------------------------------------------------------
-# Inside a rank: state and helpers that functions sent by ``run`` may use.
-# ---------------------------------------------------------------------------
-
-_MESHES: dict = {}
-_DEVICE_TYPE = "cpu"
+# a call the ranks have not answered for this long is said to be waiting, and where, once: a
+# hang is otherwise silent until the call's timeout (two minutes by default)
+WAITING_NOTICE = 10.0
 
 # What a rank imports before its first call, once, in the fork server the ranks fork from.
 # torch._dynamo: DTensor and FSDP import it on a rank's first call (a second on 2 cores).
@@ -100,7 +91,7 @@ def warm_up(modules: tuple[str, ...] = ()) -> None:
 def _start_server(ctx) -> None:
     """The fork server, started with no terminal: it outlives this process by its imports'
     seconds, and holding this process's stdout would keep a pipe reading it open that long.
-    Each rank gets this process's stdout and stderr itself (``_Stdio``)."""
+    Each rank gets this process's stdout and stderr itself (``rank.Stdio``)."""
     from multiprocessing import forkserver
 
     if ctx.get_start_method() != "forkserver" or forkserver._forkserver._forkserver_pid is not None:
@@ -132,7 +123,7 @@ def _this_sys_path():
     package in every rank. PYTHONSAFEPATH (3.11+) keeps the working directory out. Its
     imports make torch inductor's cache directory, in the temp dir unless one is named, and
     leave it there: it goes with tpdp-verify's cache where the user names none (the ranks'
-    too, ``_rank_main``)."""
+    too, ``rank.main``)."""
     keys = ("PYTHONPATH", "PYTHONSAFEPATH", "TORCHINDUCTOR_CACHE_DIR")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
@@ -146,60 +137,6 @@ def _this_sys_path():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-class _Stdio:
-    """This process's stdout and stderr, sent to a rank as file descriptors (how
-    multiprocessing passes a pipe), for a rank forked from a server that has none."""
-
-    def __reduce__(self):
-        from multiprocessing.reduction import DupFd
-
-        return _Stdio.received, (DupFd(1), DupFd(2))
-
-    @staticmethod
-    def received(out, err) -> tuple[int, int]:
-        return out.detach(), err.detach()
-
-
-_CAUGHT = ""  # what the current call caught and returns in its result (see caught)
-CAUGHT_PART = "signature part: "  # how a caught exception's signature part travels in its text
-
-
-def device_type() -> str:
-    """``"cuda"`` on an NCCL pool, ``"cpu"`` on gloo; call inside a rank."""
-    return _DEVICE_TYPE
-
-
-def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
-    """The rank's cached DeviceMesh for (shape, names), created collectively on first use.
-
-    Every rank runs the same function with the same arguments, so every rank reaches
-    the first use of a key at the same point and creates its subgroups together.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (tuple(shape), tuple(names) if names is not None else None)
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        if math.prod(key[0]) != dist.get_world_size():
-            raise UsageError(
-                f"mesh {key[0]} holds {math.prod(key[0])} ranks but the pool has "
-                f"{dist.get_world_size()}; choose a shape whose product is the world size"
-            )
-        mesh = _MESHES[key] = init_device_mesh(_DEVICE_TYPE, key[0], mesh_dim_names=key[1])
-    return mesh
-
-
-def caught(what: str, part: str = "") -> None:
-    """Say, inside a rank, that this call caught an exception (``what``, and its signature
-    part: tpdp_verify.signature) and returns it in its result, as a finding. Should other
-    ranks then not answer, they are presumably waiting in a collective for this one: the
-    pool gives them the error grace and restarts them, as when a rank raises, instead of
-    waiting for the timeout (RankFailed, not a hang)."""
-    global _CAUGHT
-    _CAUGHT = what + (f"\n{CAUGHT_PART}{part}" if part else "")
 
 
 def _choose_backend(backend: str, world_size: int) -> str:
@@ -218,13 +155,6 @@ def _choose_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def _loopback_interface() -> str:
-    for _, name in socket.if_nameindex():
-        if name.startswith("lo"):
-            return name
-    return "lo"
-
-
 def _loopback_store(world_size: int, timeout: float):
     """The parent's TCPStore, listening on 127.0.0.1 only. Given a host, TCPStore still
     listens on every interface (``::``, IPv4 too), so it gets a socket already bound here
@@ -241,125 +171,6 @@ def _loopback_store(world_size: int, timeout: float):
         raise
     return dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout), master_listen_fd=listener.detach())
-
-
-def _portable(result: Any) -> Any:
-    """Tensors come back detached and on CPU; DTensors must be made plain first."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map_only
-
-    def plain(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, DTensor):
-            raise TypeError("a rank returned a DTensor; return .full_tensor() or .to_local()")
-        return t.detach().cpu()
-
-    return tree_map_only(torch.Tensor, plain, result)
-
-
-def _rss() -> int:
-    """This process's resident memory in bytes; 0 where /proc cannot say."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _reply(call: bytes) -> bytes:
-    """Run one pickled (fn, args) and pickle what happened: ok, the result, what it caught
-    and the rank's resident memory after it; or error."""
-    global _CAUGHT
-    _CAUGHT = ""
-    try:
-        fn, args = pickle.loads(call)
-        result = _portable(fn(*args))
-        return pickle.dumps(("ok", result, _CAUGHT, _rss()))
-    except Exception as exc:  # report every failure; BaseException still ends the rank
-        try:
-            exc_bytes = pickle.dumps(exc)
-        except Exception:
-            exc_bytes = None
-        return pickle.dumps(("error", traceback.format_exc(), exc_bytes))
-
-
-def _exit_when_orphaned(lifeline) -> None:
-    try:
-        lifeline.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(70)  # the parent is gone: nobody will ever ask this rank anything again
-
-
-def _rank_main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file, log_file=None,
-               stdio=(1, 2)) -> None:
-    """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
-    global _DEVICE_TYPE
-    if log_file:  # stdout and stderr, C++'s included (torch's warnings, gloo's logs), to the file
-        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    else:  # the parent's, as _Stdio sent them
-        for fd, target in zip(stdio, (1, 2)):
-            if fd != target:
-                os.dup2(fd, target)
-                os.close(fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    # On SIGUSR1 the rank writes every thread's Python stack, even when stuck in C++
-    # (a collective): what the parent reports for a hang.
-    # chain=False: the handler is installed with SA_RESTART, so a dump never interrupts a call.
-    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True, chain=False)
-    # DTensor's advice to construct from detached tensors fires inside torch's own
-    # redistribute; on every rank and every example it would bury the report.
-    warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
-    # FSDP2's advice against in-place ops on a view its root returns: the loop makes none.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    # A failed shape propagation logs its traceback before raising; the raise is reported.
-    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
-    threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
-    try:
-        # Spawned ranks are on one host: their listeners (gloo's pairs, NCCL's bootstrap) go on
-        # the loopback interface whatever the environment names for multi-host runs.
-        loopback = _loopback_interface()
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback
-        os.environ["NCCL_SOCKET_IFNAME"] = loopback
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache())  # as the fork server's
-        import torch
-        import torch.distributed as dist
-
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            _DEVICE_TYPE = "cuda"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        # What every reply needs (_portable), imported now, under the start-up timeout: on a
-        # busy machine a generation's first call would otherwise spend seconds of its own
-        # timeout importing DTensor, and a short timeout would call that a hang.
-        import torch.distributed.tensor  # noqa: F401
-        import torch.utils._pytree  # noqa: F401
-    except Exception:
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None)))
-        return
-    conn.send_bytes(pickle.dumps(("ok", "ready", "", _rss())))
-    while True:
-        try:
-            call = conn.recv_bytes()
-        except (EOFError, OSError):
-            break
-        if call == _STOP:
-            break
-        conn.send_bytes(_reply(call))
-    dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------
-# In the parent.
-# ---------------------------------------------------------------------------
 
 
 def _describe_exit(code: int | None) -> str:
@@ -423,7 +234,7 @@ def _shutdown(procs, conns, lifeline, graceful: bool, stack_dir: str = "") -> No
     if graceful:
         for conn in conns:
             try:
-                conn.send_bytes(_STOP)
+                conn.send_bytes(rank_side.STOP)
             except OSError:
                 pass
         deadline = time.monotonic() + 10.0
@@ -455,11 +266,11 @@ class _Ranks:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main,
+                target=rank_side.main,
                 args=(rank, world_size, backend, self.store.port, child_end, lifeline_r, pg_timeout,
                       os.path.join(self.stack_dir, f"rank{rank}.txt"),
                       output and os.path.join(output, f"world{world_size}-rank{rank}.log"),
-                      (1, 2) if output else _Stdio()),
+                      (1, 2) if output else rank_side.Stdio()),
                 name=f"tpdp-rank-{rank}",
                 daemon=True,
             )
@@ -483,8 +294,9 @@ class _Ranks:
     def stacks(self, ranks: list[int], wait: float = 2.0) -> dict[int, str]:
         """Each live rank's Python stack, every thread, as faulthandler writes it on SIGUSR1."""
         paths = {r: os.path.join(self.stack_dir, f"rank{r}.txt") for r in ranks if self.procs[r].is_alive()}
-        for r in paths:
+        for r, p in paths.items():
             with contextlib.suppress(OSError):
+                os.truncate(p, 0)  # an earlier dump's: the rank writes on at its offset, after zeros
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
         deadline, sizes = time.monotonic() + wait, {}
         while time.monotonic() < deadline:  # until every file is written and stops growing
@@ -496,18 +308,21 @@ class _Ranks:
         out = {}
         for r, p in paths.items():
             with contextlib.suppress(OSError), open(p) as f:
-                out[r] = f.read()
+                out[r] = f.read().lstrip("\x00")
         return out
 
     def close(self, graceful: bool = True) -> None:
         self._finalizer.detach()
         _shutdown(self.procs, self.conns, self.lifeline, graceful and not self.busy, self.stack_dir)
 
-    def collect(self, what: str, deadline: float, grace: float) -> dict[int, tuple]:
-        """Wait for one reply from every rank, or raise on timeout or death."""
+    def collect(self, what: str, deadline: float, grace: float,
+                waiting: Callable[[str], None] | None = None) -> dict[int, Reply]:
+        """Wait for one reply from every rank, or raise on timeout or death; ``waiting`` is told
+        once, WAITING_NOTICE seconds on, which ranks have not answered and where they wait."""
         pending = dict(enumerate(self.conns))
-        replies: dict[int, tuple] = {}
+        replies: dict[int, Reply] = {}
         graced, idle = False, None
+        notice = time.monotonic() + WAITING_NOTICE if waiting else math.inf
         while pending:
             left = deadline - time.monotonic()
             blocked = graced and idle(sorted(pending))  # waiting in a collective for the rank that raised
@@ -515,7 +330,7 @@ class _Ranks:
                 if graced:  # an error came first: report it, naming who was stuck and how it showed
                     why = (f"blocked {IDLE_WINDOW:g} s later, using no CPU (waiting in a collective for the "
                            "failed rank)") if blocked else f"busy {grace:g} s later (waiting in a collective for the failed rank?)"
-                    return replies | {r: ("stuck", why) for r in pending}
+                    return replies | {r: Stuck(why) for r in pending}
                 stacks = self.stacks(sorted(pending))
                 pending_in = stacks_of.pending(stacks)
                 raise RankTimeout(
@@ -528,7 +343,8 @@ class _Ranks:
                 )
             waitables = {c: r for r, c in pending.items()}
             waitables |= {self.procs[r].sentinel: r for r in pending}
-            for ready in multiprocessing.connection.wait(list(waitables), timeout=min(left, IDLE_POLL) if graced else left):
+            wait = min(left, IDLE_POLL) if graced else min(left, max(0.0, notice - time.monotonic()))
+            for ready in multiprocessing.connection.wait(list(waitables), timeout=wait):
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
@@ -546,35 +362,47 @@ class _Ranks:
                         rank, code,
                     ) from None
                 del pending[rank]
-            if not graced and pending and any(r[0] == "error" or (r[0] == "ok" and r[2]) for r in replies.values()):
+            if pending and time.monotonic() >= notice:
+                notice = math.inf
+                waiting(self._waiting(what, sorted(pending)))
+            if not graced and pending and _raised(replies):
                 graced, idle = True, _Idleness([p.pid for p in self.procs])
                 deadline = min(deadline, time.monotonic() + grace)
         return replies
 
-    def note(self, replies: dict[int, tuple], growth: float) -> None:
+    def _waiting(self, what: str, pending: list[int]) -> str:
+        stacks = self.stacks(pending)
+        inside = stacks_of.pending(stacks) or "; ".join(
+            f"rank {r} {stacks_of.where(stacks_of.frames(d))}" for r, d in sorted(stacks.items()) if d)
+        return (f"{_ranks_text(pending)} of {len(self.conns)} {'has' if len(pending) == 1 else 'have'} not answered "
+                f"{what} for {WAITING_NOTICE:g} s"
+                + (f"; waiting in {inside}" if inside else "") + f"; they count as hung at the {self.limit:g} s timeout")
+
+    def note(self, replies: dict[int, Reply], growth: float) -> None:
         """Count an answered call and watch the ranks' memory against their baseline."""
         self.calls += 1
-        rss = {r: reply[3] for r, reply in replies.items() if reply[0] == "ok"}
+        rss = {r: reply.rss for r, reply in replies.items() if isinstance(reply, Ok)}
         if self.calls == BASELINE_CALL:
             self.baseline = rss
         self.outgrown = any(rss.get(r, 0) > size * (1 + growth) for r, size in self.baseline.items() if size)
 
-    def call(self, payload: bytes, what: str, timeout: float, grace: float) -> dict[int, tuple]:
+    def call(self, payload: bytes, what: str, timeout: float, grace: float,
+             waiting: Callable[[str], None] | None = None) -> dict[int, Reply]:
         self.busy, self.limit = True, timeout
         for conn in self.conns:
             conn.send_bytes(payload)
-        replies = self.collect(what, time.monotonic() + timeout, grace)
-        self.busy = any(r[0] == "stuck" for r in replies.values())
+        replies = self.collect(what, time.monotonic() + timeout, grace, waiting)
+        self.busy = any(isinstance(r, Stuck) for r in replies.values())
         return replies
 
 
-def _raised(replies: dict[int, tuple]) -> bool:
+def _raised(replies: dict[int, Reply]) -> bool:
     """Whether the code a run called raised on some rank (or a rank caught what it raised).
     Ranks that raise part-way through their collectives leave bytes sent and never read in
     the group, and the next run's collective would read them: gloo aborts a rank on a size
     it did not expect, and takes equal sizes for data. The next run gets fresh ranks, so
     that no case's outcome depends on the cases before it."""
-    return any(reply[0] == "error" or (reply[0] == "ok" and reply[2]) for reply in replies.values())
+    return any(isinstance(r, Error) or (isinstance(r, Ok) and r.caught) for r in replies.values())
 
 
 def _under_launcher() -> bool:
@@ -619,6 +447,7 @@ class RankPool:
         max_rss_growth: float | None = None,
         after_hang: float | None = None,
         output: str | None = None,
+        waiting: Callable[[str], None] | None = None,
     ):
         self.attached = _under_launcher()
         if self.attached:
@@ -641,6 +470,7 @@ class RankPool:
         self.max_rss_growth = max_rss_growth
         self.after_hang = after_hang
         self.output = output
+        self.waiting = waiting  # told when a call has gone unanswered for WAITING_NOTICE seconds
         self.hung = False  # a run has hung (see after_hang)
         self.slowest = 0.0  # seconds of the slowest run that answered
         self.spawns = 0  # how many generations of ranks this pool has started
@@ -659,7 +489,7 @@ class RankPool:
         self.spawns += 1
         try:
             replies = self._ranks.collect("start-up", time.monotonic() + self.start_timeout, 0.0)
-            errors = {r: reply[1] for r, reply in replies.items() if reply[0] == "error"}
+            errors = {r: reply.traceback for r, reply in replies.items() if isinstance(reply, Error)}
             if errors:
                 rank = min(errors)
                 raise PoolError(
@@ -671,13 +501,12 @@ class RankPool:
             raise
 
     def _attach(self) -> bool:
-        global _DEVICE_TYPE
         import torch
         import torch.distributed as dist
 
         if self.backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            _DEVICE_TYPE = "cuda"
+            rank_side.on_device("cuda")
         if dist.is_initialized():
             return False
         dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=self.timeout))
@@ -740,7 +569,7 @@ class RankPool:
                 self._start()
             start = time.monotonic()
             try:
-                replies = self._ranks.call(payload, what, timeout or self._timeout(), self.error_grace)
+                replies = self._ranks.call(payload, what, timeout or self._timeout(), self.error_grace, self.waiting)
             except BaseException as exc:  # hang, death, or the caller interrupted (Ctrl-C, timeout)
                 self.hung = self.hung or isinstance(exc, RankTimeout)
                 self._retire(graceful=False)
@@ -757,24 +586,24 @@ class RankPool:
             return self.timeout
         return min(self.timeout, max(HANG_FLOOR, self.after_hang * self.slowest))
 
-    def _gather_attached(self, payload: bytes) -> dict[int, tuple]:
+    def _gather_attached(self, payload: bytes) -> dict[int, Reply]:
         import torch.distributed as dist
 
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, _reply(payload))
+        dist.all_gather_object(gathered, rank_side.reply(payload))
         return {rank: pickle.loads(reply) for rank, reply in enumerate(gathered)}
 
-    def _results(self, what: str, replies: dict[int, tuple]) -> list:
-        errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
-        stuck = sorted(r for r, reply in replies.items() if reply[0] == "stuck")
-        stuck_why = next((reply[1] for reply in replies.values() if reply[0] == "stuck"), "")
+    def _results(self, what: str, replies: dict[int, Reply]) -> list:
+        errors = {r: reply for r, reply in replies.items() if isinstance(reply, Error)}
+        stuck = sorted(r for r, reply in replies.items() if isinstance(reply, Stuck))
+        stuck_why = next((reply.why for reply in replies.values() if isinstance(reply, Stuck)), "")
         if not errors and not stuck:
-            return [replies[r][1] for r in range(self.world_size)]
+            return [replies[r].result for r in range(self.world_size)]
         if not errors:  # ranks that caught an exception left the others in a collective
-            errors = {r: ("error", f"(caught and returned) {reply[2]}", None)
-                      for r, reply in replies.items() if reply[0] == "ok" and reply[2]}
+            errors = {r: Error(f"(caught and returned) {reply.caught}")
+                      for r, reply in replies.items() if isinstance(reply, Ok) and reply.caught}
         exceptions = {}
-        for rank, (_, _, exc_bytes) in errors.items():
+        for rank, (_, exc_bytes) in errors.items():
             try:
                 exceptions[rank] = pickle.loads(exc_bytes) if exc_bytes else None
             except Exception:
@@ -786,7 +615,7 @@ class RankPool:
                 f"; {_ranks_text(stuck)} {'was' if len(stuck) == 1 else 'were'} still {stuck_why}, "
                 "so the ranks were restarted"
             )
-        message += f"\n--- rank {first} ---\n{errors[first][1].rstrip()}"
+        message += f"\n--- rank {first} ---\n{errors[first].traceback.rstrip()}"
         raise RankFailed(message, {r: e[1] for r, e in errors.items()}, exceptions, stuck)
 
 

@@ -19,7 +19,7 @@ from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.ranks.loop import (Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train,
                                     user_named)
 from tpdp_verify.ranks.pieces import cut
-from tpdp_verify.ranks.pool import caught
+from tpdp_verify.ranks.rank import caught
 from tpdp_verify.ranks.reductions import DPReduction, Reduction, unobservable, watching, watching_dp
 
 def rows(case: TrainCase, dp_rank: int) -> slice:
@@ -221,7 +221,7 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
     """
     from tpdp_verify.impls.select import installed, load
     from tpdp_verify.ranks.entries import WRAP, Wrapped, precision
-    from tpdp_verify.ranks.pool import device_mesh
+    from tpdp_verify.ranks.rank import device_mesh
 
     impl = load(impl_name)
     mesh = device_mesh(case.mesh_shape, case.mesh_dims)

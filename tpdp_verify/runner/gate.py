@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 import torch
-from hypothesis.reporting import with_reporter
 
-from tpdp_verify import faults, interrupts, signature
+from tpdp_verify import faults, hypothesis_internals, interrupts, signature
 from tpdp_verify import status as statuses
 from tpdp_verify.errors import PoolError
 from tpdp_verify.impls import select as impl_mod
@@ -112,7 +111,7 @@ def check_property(prop: Property, pool: RankPool, impl: str, profile: Profile,
     stats, reported, findings = stats or Stats(), [], []
     start = time.monotonic()
     try:
-        with with_reporter(reported.append), _heartbeat(prop.name, stats, progress, every):
+        with hypothesis_internals.reporting_to(reported.append), _heartbeat(prop.name, stats, progress, every):
             prop.run(pool, impl, profile, stats, judge)
     except PoolError as exc:
         return _outcome(prop, pool, profile, Status.INFRA, start, stats, message=str(exc))
@@ -313,8 +312,8 @@ def iter_gate(
         if not todo:
             continue
         up = time.monotonic()
-        with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH,
-                      after_hang=AFTER_HANG, output=rank_output) as pool:
+        with RankPool(world_size, backend, timeout=timeout, max_rss_growth=MAX_RSS_GROWTH, after_hang=AFTER_HANG,
+                      output=rank_output, waiting=lambda line: progress(f"      ... {line}")) as pool:
             progress(f"world size {world_size}: {pool.backend} ranks up in {time.monotonic() - up:.1f} s")
             for prop in todo:
                 outcome = judged_search(prop, pool, impl, profile, baseline, spent, progress, every)

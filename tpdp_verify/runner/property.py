@@ -21,9 +21,8 @@ from typing import Callable
 import hypothesis
 from hypothesis import given
 from hypothesis.errors import UnsatisfiedAssumption
-from hypothesis.statistics import collector
 
-from tpdp_verify import signature, stacks
+from tpdp_verify import hypothesis_internals, signature, stacks
 from tpdp_verify.cases import case_types
 from tpdp_verify.errors import PoolError, RankDied, RankFailed, RankTimeout
 from tpdp_verify.judging.divergence import Divergence, divergence
@@ -89,9 +88,7 @@ def worth_explaining(sig: signature.Signature) -> bool:
     the ranks (naming the first module, running the case without TP): not during the
     search or shrinking; yes outside hypothesis (a replay) and in the final replay of an
     example hypothesis reports."""
-    from hypothesis.control import current_build_context, currently_in_test_context
-
-    return not currently_in_test_context() or current_build_context().is_final
+    return hypothesis_internals.in_final_replay()
 
 
 def never(sig: signature.Signature) -> bool:
@@ -151,7 +148,7 @@ def on_fresh_ranks(run: Callable[[], None], history: list | None = None, case: d
 def _part(traceback_text: str) -> str:
     """The signature part of a rank's failure: carried with an exception the rank caught
     (pool.caught), else read from the traceback it raised with."""
-    from tpdp_verify.ranks.pool import CAUGHT_PART
+    from tpdp_verify.ranks.rank import CAUGHT_PART
 
     if CAUGHT_PART in traceback_text:
         return traceback_text.rsplit(CAUGHT_PART, 1)[1].strip()
@@ -169,41 +166,6 @@ def _judged(judge: Judge, sig: signature.Signature, drawn: dict) -> Found:
         return judge(sig, drawn)
     except Exception as exc:
         raise _Escape(exc) from exc
-
-
-@contextlib.contextmanager
-def _shrinking_for(seconds: int):
-    """Bound the time hypothesis spends shrinking one run (its engine's module constant)."""
-    from hypothesis.internal.conjecture import engine
-
-    saved, engine.MAX_SHRINKING_SECONDS = engine.MAX_SHRINKING_SECONDS, seconds
-    try:
-        yield
-    finally:
-        engine.MAX_SHRINKING_SECONDS = saved
-
-
-@contextlib.contextmanager
-def without_local_constants():
-    """Draw without the constants hypothesis reads from the source of the local modules
-    imported so far (one draw in twenty picks one): with them the fixed draw moves with
-    every literal of tpdp-verify's own code, and with whichever modules the process that
-    searches (the CLI, pytest, a script) has imported, so a baseline learned from a draw
-    no longer meets it. Without them a draw is a function of the case space, the seed and
-    hypothesis's pinned version alone."""
-    from hypothesis.internal.conjecture import providers
-
-    saved = getattr(providers, "_get_local_constants", None)
-    if saved is None:  # a hypothesis older than its constant pool draws without one
-        yield
-        return
-    providers._get_local_constants = providers.Constants
-    providers.CONSTANTS_CACHE.cache.clear()  # filled from the local constants before
-    try:
-        yield
-    finally:
-        providers._get_local_constants = saved
-        providers.CONSTANTS_CACHE.cache.clear()
 
 
 @dataclass(frozen=True)
@@ -346,7 +308,8 @@ class Property:
 
         test = profile.settings(given(**strategies)(run_one))
         test = hypothesis.seed(fixed_seed(self.name, self.fn) if profile.seed is None else profile.seed)(test)
-        with collector.with_value(note), _shrinking_for(profile.shrink_seconds), without_local_constants():
+        with hypothesis_internals.collecting(note), hypothesis_internals.shrinking_for(profile.shrink_seconds), \
+                hypothesis_internals.without_local_constants():
             test(pool, impl)
 
     @staticmethod
