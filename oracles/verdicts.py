@@ -24,7 +24,9 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
         rounded, shadow = oracle(case, capture=True)
         if any(t.error for t in traces):  # a raise after the forward: a head that hands on its shard?
             handed = handed_on_shard(traces[0], shadow) if not any(t.raised_in for t in traces) else None
-            verdict.first_module, verdict.cause = handed or (verdict.first_module, verdict.cause)
+            if handed:
+                verdict.first_module, verdict.cause = handed
+                verdict.module_is = "first module whose output has another shape than the unsharded model's"
         elif any(not r.err.ok for r in verdict.rows):  # a module departs only where values do
             verdict.first_module = localize(traces, case, rounded, shadow)
             verdict.cause = upstream(verdict.first_module, shadow) if verdict.first_module else ""

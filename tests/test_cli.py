@@ -43,8 +43,10 @@ REFERENCE_DEPARTS = (tp_keeps_requires_grad, entry_points_train_like_one_device,
 
 
 def cli(command, *args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tpdp_verify", command, *args],
-                          capture_output=True, text=True, timeout=880, cwd=cwd)
+    """The command as a user runs it, in a terminal 100 columns wide (the README's, and the
+    width where there is no terminal; pytest hands its children 80)."""
+    return subprocess.run([sys.executable, "-m", "tpdp_verify", command, *args], capture_output=True, text=True,
+                          timeout=880, cwd=cwd, env={**os.environ, "COLUMNS": "100"})
 
 
 def gate(*args, cwd=None):
@@ -122,8 +124,7 @@ def test_the_gate_says_its_next_steps_in_lines_that_fit_a_terminal(torch_gate):
     assert steps[0].startswith("  python -m tpdp_verify gate --profile smoke --baseline torch==2.13.0 "), steps
     assert re.match(r"  python -m tpdp_verify explain \d+ ", steps[1]), steps
     findings = out.split("findings (their cases and replays in the full report):\n", 1)[1].split("\nverdict:")[0]
-    width = int(os.environ.get("COLUMNS", 100))
-    assert findings and max(map(len, findings.splitlines())) <= width, findings
+    assert findings and max(map(len, findings.splitlines())) <= 100, findings
     assert "t's shard" in findings and "t s shard" not in findings
     assert "next:" not in gate("--profile", "smoke", "-k", "chunk_dtensor_layout and world2").stdout  # a pass
 
@@ -430,7 +431,8 @@ def test_plan_reports_a_rank_that_raises_in_the_model_with_exit_1_and_its_json(t
                "--steps", "1", "--impl", "reference", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout.split("\n--- rank")[0] and out.stderr == "", out.stderr[-2000:]
-    assert "every rank trains without an exception (rank 1): in the forward of boom: RuntimeError: boom on rank 1" in out.stdout
+    assert "every rank trains without an exception (rank 1): in the forward of boom: RuntimeError: boom on rank 1" \
+        in " ".join(out.stdout.split())
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "diverges"
 
 
@@ -443,7 +445,9 @@ def test_plan_reports_a_swapped_plan_with_exit_1():
     out = plan("user_models:make_mlp", "--plan", "user_models:SWAPPED", "--input", "user_models:vectors",
                "--steps", "1", "--impl", "reference")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "first module whose output departs (forward order): up" in out.stdout
+    assert "the module whose forward raised: up" in out.stdout
+    # up is Rowwise where the input it gets is whole: the report names the style that fits
+    assert "up is split as RowwiseParallel splits it; ColwiseParallel() may fit" in " ".join(out.stdout.split())
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -554,3 +558,22 @@ def test_every_gate_option_reaches_the_parts_of_jobs_or_says_why_not():
         assert parts[at + 1: at + len(want)] == want[1:], (option, parts)
         checked += 1
     assert checked >= 12
+
+
+def test_help_cites_only_the_docs_the_install_ships(capsys):
+    """--help once cited docs/*.md, which a wheel does not hold: the docs ship with it now,
+    and every page a help text or the gate's next steps name is one `tpdp-verify docs` prints."""
+    from tpdp_verify import cli as cli_mod
+
+    cited = []
+    for command in [None, *cli_mod.COMMANDS]:
+        with pytest.raises(SystemExit):
+            cli_mod.main([*([command] if command else []), "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "docs/" not in text, (command, text)
+        cited += re.findall(r"tpdp-verify docs ([\w-]+)", text)
+    assert "cli" in cited
+    assert cli_mod.main(["docs"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert set(cited) <= listed and {"cli", "user-guide", "known-divergences"} <= listed
+    assert cli_mod.main(["docs", "cli"]) == 0 and capsys.readouterr().out.startswith("# Command line")

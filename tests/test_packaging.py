@@ -37,7 +37,7 @@ def test_wheel_holds_one_namespace_and_both_entry_points(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ["tpdp_verify/ranks/pool.py", "tpdp_verify/oracles/__init__.py",
                      "tpdp_verify/properties/roundtrip.py", "tpdp_verify/fixtures/__init__.py",
-                     "tpdp_verify/memos/torch-2.13.0.json.gz"]:
+                     "tpdp_verify/memos/torch-2.13.0.json.gz", "tpdp_verify/docs/cli.md"]:
         assert expected in names
     assert not any(n.split("/")[0] in ("oracles", "properties", "fixtures", "tests") for n in names)
     source = {f"tpdp_verify/{p.relative_to(ROOT / 'tpdp_verify')}" for p in (ROOT / "tpdp_verify").rglob("*.py")}
@@ -53,7 +53,7 @@ def _source_packages() -> set[str]:
     """Every package of the source tree (a folder of modules or of data), by the name it installs under."""
     folders = [ROOT / "tpdp_verify", *(p for p in (ROOT / "tpdp_verify").rglob("*") if p.is_dir())]
     found = {".".join(p.relative_to(ROOT).parts) for p in folders if p.name != "__pycache__"}
-    return found | {f"tpdp_verify.{top}" for top in ("oracles", "properties", "fixtures")}
+    return found | {f"tpdp_verify.{top}" for top in ("oracles", "properties", "fixtures", "docs")}
 
 
 def test_pyproject_lists_every_package_of_the_source_tree():

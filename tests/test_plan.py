@@ -475,3 +475,14 @@ def test_no_module_departs_where_no_value_does_and_names_are_said_once(pool):
     text = str(report)
     assert not report.ok and report.first_module is None and "departs (forward order)" not in text, text
     assert text.count("layers.0.attention.wq.weight") == 1, text
+
+
+def test_a_wrong_style_is_named_with_the_style_that_fits(pool):
+    """A feed-forward's down projection given ColwiseParallel after a ColwiseParallel one
+    raises in its forward: the report names the module, how TP split it, and the other style."""
+    report = verify_plan(um.make_llama, um.blocks_with_colwise_w2, input_fn=um.tokens, mesh=(1, 2), steps=1,
+                         pool=pool, impl="torch")
+    text = " ".join(str(report).split())
+    assert report.first_module == "layers.0.feed_forward.w2", str(report)
+    assert "the module whose forward raised: layers.0.feed_forward.w2 layers.0.feed_forward.w2 is split as " \
+           "ColwiseParallel splits it; RowwiseParallel() may fit" in text, str(report)

@@ -343,3 +343,11 @@ def token_loss(out, batch):
     """Per-sample cross entropy over plain logits, as a user writes it without loss_parallel."""
     n, seq = batch["target"].shape
     return F.cross_entropy(out.flatten(0, 1), batch["target"].flatten(), reduction="none").view(n, seq).mean(1)
+
+
+def blocks_with_colwise_w2(tp_mesh):
+    """llama_blocks with the feed-forward's down projection ColwiseParallel, as w1 and w3 are:
+    it gets their shard of the hidden features and cannot multiply it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return llama_blocks(tp_mesh) | {"layers.0.feed_forward.w2": ColwiseParallel()}

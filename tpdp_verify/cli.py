@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--baseline", metavar="RELEASE",
                       help="the torch release whose faults are known, as pip spells it (torch==2.13.0): a failure "
                       "is known where that release fails the same way on the same case (its memo, else a replay "
-                      "there); exit 1 only on new or changed ones. docs/cli.md")
+                      "there); exit 1 only on new or changed ones (tpdp-verify docs cli)")
     gate.add_argument("--baseline-python", metavar="PATH",
                       help="the python of an environment holding the baseline release, to replay cases its memo "
                       "lacks (default: this interpreter where its torch is that release, else one installed "
@@ -84,13 +84,13 @@ def _parser() -> argparse.ArgumentParser:
                       "with its own ranks (default: as many as the cores and memory hold at the largest "
                       "world size's ranks each); the same verdict and outputs for any N")
     _verbose_option(gate)
-    _output_options(gate, json="the run as JSON (keys: docs/cli.md)",
+    _output_options(gate, json="the run as JSON (keys: tpdp-verify docs cli)",
                     junit="the run as JUnit XML, a test case a property",
                     markdown="the run as a Markdown table and the failures' reports")
 
     plan = commands.add_parser("plan", help="verify a model's TP plan against one device and plain DP",
                                description="Names are module:attribute, imported with the current "
-                               "directory on the path (docs/user-guide.md).")
+                               "directory on the path (tpdp-verify docs user-guide).")
     plan.add_argument("model", metavar="MODULE:FACTORY", help="model_fn(): the unsharded model")
     tp = plan.add_mutually_exclusive_group(required=True)
     tp.add_argument("--plan", metavar="MODULE:PLAN",
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--timeout", type=float, default=120.0,
                       help="seconds one check may take before its ranks count as hung")
     _verbose_option(plan)
-    _output_options(plan, json="the report as JSON (keys: docs/cli.md)",
+    _output_options(plan, json="the report as JSON (keys: tpdp-verify docs cli)",
                     junit="the report as JUnit XML, a test case a check",
                     markdown="the report as a Markdown table")
 
@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
     memo = commands.add_parser("memo", help="what a baseline release answered, as the gate remembers it",
                                description="The answers the gate judges by: the shipped memo and the user's "
-                               "(docs/cli.md, \"Baselines\"), a line a search; -v: a line a case.")
+                               "(tpdp-verify docs cli, \"Baselines\"), a line a search; -v: a line a case.")
     memo.add_argument("--baseline", default="torch==2.13.0", metavar="RELEASE",
                       help="the release whose answers to print (default: torch==2.13.0)")
     memo.add_argument("--memo", metavar="FILE", help="a memo file of the gate's --memo, read as well")
@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="the faults torch shows, from the catalog",
                                   description="A fault of the catalog: what goes wrong, what it costs, the "
                                   "workaround, where it lives in torch and where the suite meets it. With no FAULT, "
-                                  "the list of faults; --all: docs/known-divergences.md as generated.")
+                                  "the list of faults; --all: the docs page known-divergences as generated.")
     explain.add_argument("faults", nargs="*", metavar="FAULT", help="a fault's number or name")
     explain.add_argument("--all", action="store_true", help="every fault, as the docs page")
 
@@ -168,6 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--python", action="append", metavar="PATH",
                         help="run the reproduction under this interpreter too (its torch release), repeatable")
     report.add_argument("--no-run", action="store_true", help="do not run the reproduction")
+
+    docs = commands.add_parser("docs", help="the documentation shipped with tpdp-verify: its pages, or one",
+                               description="With no PAGE, each page and where it is installed; with PAGE "
+                               "(cli, user-guide, ...), the page itself, as Markdown.")
+    docs.add_argument("page", nargs="?", metavar="PAGE", help="a page's name, with or without .md")
 
     env = commands.add_parser("env", help="what this machine and torch build can run")
     _output_options(env, json="the same as JSON")
@@ -445,20 +450,18 @@ def _next_steps(args: argparse.Namespace, outcomes: list) -> str:
                       key=lambda r: tuple(int(x) for x in r.split(".") if x.isdigit()))
     release = releases[-1] if releases else "2.13.0"
     named = sorted({x.number for f in found if f.explanation for x in f.explanation.faults})
-    given = {"--profile": args.profile, "-k": args.keyword, "--seed": args.seed, "--impl": args.impl,
-             "--suite": args.suite}
-    again = [x for option, value in given.items() if value is not None and value != _DEFAULTS.get(option)
-             for x in (option, shlex.quote(str(value)))]
+    gate = _subparser("gate")  # the run's own choices, its defaults left out (--profile said always)
+    given = {"-k": "keyword", "--seed": "seed", "--impl": "impl", "--suite": "suite"}
+    again = ["--profile", args.profile] + [
+        x for option, dest in given.items() if getattr(args, dest) not in (None, gate.get_default(dest))
+        for x in (option, shlex.quote(str(getattr(args, dest))))]
     me = _invoked()
     lines = ["", "next:",
              f"  {me} gate {' '.join(again + ['--baseline', f'torch=={release}'])}"
              + f"   # known: torch {release} fails alike; the rest is new",
              *([f"  {me} explain {named[0]}   # fault {named[0]}: what goes wrong, the workaround"] if named else []),
-             "  docs: docs/cli.md (the gate), docs/known-divergences.md (torch's faults)"]
+             f"  {me} docs cli   # the gate's options, outputs and baselines; docs known-divergences: torch's faults"]
     return "\n".join(lines) + "\n"
-
-
-_DEFAULTS = {"--impl": "torch", "--suite": "tpdp_verify.properties"}
 
 
 def _invoked() -> str:
@@ -668,6 +671,23 @@ def _fault(ref: str):
     return found
 
 
+def _docs(args: argparse.Namespace) -> int:
+    """The shipped docs (package tpdp_verify.docs: the source tree's docs/)."""
+    from importlib import resources
+
+    pages = {p.name.removesuffix(".md"): p for p in resources.files("tpdp_verify.docs").iterdir()
+             if p.name.endswith(".md")}
+    if not args.page:
+        width = max(map(len, pages))
+        print("\n".join(f"{name:<{width}}  {pages[name]}" for name in sorted(pages)))
+        return EXIT_OK
+    page = pages.get(args.page.removesuffix(".md").removeprefix("docs/"))
+    if page is None:
+        raise UsageError(f"no page {args.page!r}; tpdp-verify docs lists them: {', '.join(sorted(pages))}")
+    print(page.read_text(encoding="utf-8"), end="")
+    return EXIT_OK
+
+
 def _report(args: argparse.Namespace) -> int:
     from tpdp_verify.faults import issue
 
@@ -679,7 +699,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"gate": _gate, "plan": _plan, "merge": _merge, "memo": _memo, "explain": _explain, "report": _report,
-            "env": _env}
+            "docs": _docs, "env": _env}
 
 
 def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -703,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings(), caught():  # a warning of ours is one line, as an error is
             warnings.showwarning = _one_line
             # env says what this machine has, torch too old or not; the others read files only
-            if args.command not in ("env", "merge", "memo", "explain"):
+            if args.command not in ("env", "merge", "memo", "explain", "docs"):
                 torch_release.check()
             return COMMANDS[args.command](args)
     except UsageError as exc:

@@ -23,7 +23,7 @@ OPTIONS = {
     "timeout": ("120", "seconds one check may take before its ranks count as hung"),
     "suite": ("tpdp_verify.properties", "the suite module collected as items, one a property and world size"),
     "baseline": ("", "the torch release whose faults are known, as pip spells it (torch==2.13.0): a failure is "
-                 "known where it fails the same way there on the same case (docs/cli.md)"),
+                 "known where it fails the same way there on the same case (tpdp-verify docs cli)"),
     "seed": ("", "draw other cases than the profile's fixed ones"),
     "shard": ("", "collect the K-th of N parts of the suite's searches (K/N), balanced by cost as gate --shard"),
 }

@@ -24,7 +24,15 @@ from typing import Iterable
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK
 
 
-class Found(enum.StrEnum):
+class _Word(str, enum.Enum):
+    """A status as its record spells it: compares, prints and formats as its value (what
+    enum.StrEnum does, from Python 3.11; tpdp-verify runs on 3.10)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Found(_Word):
     """A finding's status against the baseline release."""
 
     FOUND = "found"  # no baseline to ask: every failure blocks
@@ -43,12 +51,8 @@ class Found(enum.StrEnum):
         """Counted, and the search draws on: hypothesis is told of the blocking ones only."""
         return self in (Found.KNOWN, Found.NOT_ASKED)
 
-    @property
-    def label(self) -> str:
-        return self.value
 
-
-class Status(enum.StrEnum):
+class Status(_Word):
     """A search's, a plan run's or a whole run's status; in order, each worse than the last."""
 
     PASS = "pass"

@@ -44,6 +44,7 @@ class Verdict:
     rows: list[Row] = field(default_factory=list)  # comparisons within a bound
     first_module: str | None = None  # set by localization when values depart
     cause: str = ""  # what may cause it there: a head's shard handed on, what feeds the first module
+    module_is: str = "first module whose output departs (forward order)"  # what first_module names
     against: str = "one device"  # the oracle; "" for checks the ranks made themselves
     plain_ddp: str = ""  # on a departure: how the same DP entry point without TP fares
     beside: str = "the same DP entry point without TP"  # the run plain_ddp speaks of
@@ -121,7 +122,7 @@ class Verdict:
         else:
             lines = [f"{len(bad_checks)} of {len(self.checks)} checks failed:"]
         if self.first_module is not None:
-            lines.append(f"first module whose output departs (forward order): {self.first_module}")
+            lines.append(f"{self.module_is}: {self.first_module}")
             lines += textwrap.wrap(self.cause, 100, initial_indent="  ", subsequent_indent="  ")
         if self.plain_ddp:
             lines.append(f"{self.beside}: {self.plain_ddp}")
@@ -293,7 +294,8 @@ def judge_training(case: TrainCase, observed: Trace, rounded: Trace, shadow: Tra
                 exercised=observed.exercised, tied=shadow.tied)
     if observed.error:
         v.checks.append(Check("trains without an exception", False, observed.error, observed.raised))
-        v.first_module = observed.raised_in or None
+        v.first_module, v.module_is = observed.raised_in or None, "the module whose forward raised"
+        v.cause = _other_style(observed.raised_in, observed.raised_split)
         return v
     frozen = sorted(set(shadow.params[0]) - set(shadow.trainable))
     v.checks.append(Check("the same parameters are trainable", observed.trainable == shadow.trainable,
@@ -453,6 +455,23 @@ def localize(observed: list[Trace], case: TrainCase, rounded: Trace, shadow: Tra
         if not error(got, rounded.activations[i][1], exact, case.wire_dtype).ok:
             return name or "<the whole model>"
     return _shape_break(observed[0], shadow)
+
+
+# Where a Linear's forward raised, by how TP split its weight: the style that split it, and the
+# other, which may fit (a shape error there is mostly a style its input does not match).
+# Colwise takes the whole input and hands on a shard of the output features; Rowwise takes a
+# shard of the input features (what a Colwise module before it hands on) and sums the output.
+_OTHER = {"output": ("ColwiseParallel", "RowwiseParallel", "a module fed the output of a ColwiseParallel one, its "
+                     "input features split over tp, is RowwiseParallel's"),
+          "input": ("RowwiseParallel", "ColwiseParallel", "a module fed its whole input (features not split) is "
+                    "ColwiseParallel's, or RowwiseParallel(input_layouts=Replicate())'s")}
+
+
+def _other_style(module: str, split: str) -> str:
+    if split not in _OTHER:
+        return ""
+    given, other, why = _OTHER[split]
+    return f"{module} is split as {given} splits it; {other}() may fit: {why}"
 
 
 def upstream(name: str, shadow: Trace) -> str:

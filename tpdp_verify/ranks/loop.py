@@ -64,6 +64,7 @@ class Trace(Observation):
     buffers: list[dict] = field(default_factory=list)  # after each step
     activations: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # first forward
     raised_in: str = ""  # the innermost module whose forward raised, if one did
+    raised_split: str = ""  # how TP split its weight, where it is a Linear's: "output" or "input" features
     registry: list[str] = field(default_factory=list)  # named_parameters() of the model after training
     tied: list[tuple[str, ...]] = field(default_factory=list)  # after training: names that share one parameter
     state_unobserved: str = ""  # why the optimizer state was not read, where it was not
@@ -476,6 +477,7 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
     except Exception as exc:  # a run that raises is a finding about it, not a crash of ours
         inside = running[-1] if running else None
         trace.raised_in = "" if inside in (None, LOSS) else inside or "<the whole model>"
+        trace.raised_split = tp_split(run.inner, trace.raised_in)
         where = ("in the per-sample loss (loss_fn): " if inside == LOSS else
                  f"in the forward of {trace.raised_in}: " if running else "")
         trace.error = where + "".join(traceback.format_exception_only(exc)).strip() + signature.innermost(exc)
@@ -484,6 +486,24 @@ def train(case: TrainCase, run: Run, new_optimizer: Callable[[], torch.optim.Opt
     if run.loss_parallel:
         trace.exercised["loss ops"] = sorted(sharded_loss_ops)
     return trace
+
+
+def tp_split(model: nn.Module, name: str) -> str:
+    """How TP splits the weight of the Linear ``name``: "output" features (ColwiseParallel's),
+    "input" features (RowwiseParallel's); "" where it is no Linear or holds no DTensor (a DP
+    transform localized it)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return ""
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, nn.Linear) or not isinstance(weight, DTensor):
+        return ""
+    names = weight.device_mesh.mesh_dim_names or ()
+    placement = weight.placements[names.index("tp") if "tp" in names else -1]
+    return {0: "output", 1: "input"}.get(placement.dim % 2, "") if isinstance(placement, Shard) else ""
 
 
 def left_as_they_were(case: TrainCase, run: Run, when: str) -> list[str]:

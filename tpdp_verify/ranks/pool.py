@@ -616,7 +616,7 @@ class RankPool:
                 "so the ranks were restarted"
             )
         message += f"\n--- rank {first} ---\n{errors[first].traceback.rstrip()}"
-        raise RankFailed(message, {r: e[1] for r, e in errors.items()}, exceptions, stuck)
+        raise RankFailed(message, {r: e.traceback for r, e in errors.items()}, exceptions, stuck)
 
 
 class Pools:

@@ -136,6 +136,16 @@ class Baseline:
         self.memo.put(memos.Asked(prop.name, pool.world_size, case, types, signature.of(now)))
         return signature.of(now)
 
+    def remember(self, prop: str, world_size: int, ran: dict, cases: dict) -> int:
+        """Where this run is the release's (``is_candidate``): every case it ran, passes
+        too, as the release's answers, so that the memo answers the draws themselves and not
+        only their failures. ``ran``: memo key -> signature; ``cases``: key -> (reprs, types).
+        How many were new to the memo."""
+        new = [k for k in ran if k not in self.memo.answers and k in cases]
+        for k in new:
+            self.memo.put(memos.Asked(prop, world_size, *cases[k], signature.of(ran[k])))
+        return len(new)
+
     def side(self):
         """Where the release runs a case the memo lacks, started on first use; None if nowhere."""
         from tpdp_verify.runner import provision, replay

@@ -70,6 +70,7 @@ class Stats:
     statuses: dict = field(default_factory=dict)  # signature -> its status, as last judged (NEW, CHANGED)
     cover_failures: list = field(default_factory=list)  # (Divergence, drawn) of failing cover cases
     ran: dict = field(default_factory=dict)  # memo key -> what the candidate showed there (() passed)
+    printed: dict = field(default_factory=dict)  # memo key -> the case as the memo keeps it (reprs, types)
     said: dict = field(default_factory=dict)  # signature -> the first failure's text that showed it
     reran: int = 0  # the memo's failing cases run again on the candidate after the search
     not_rerun: int = 0  # and those the rerun budget left
@@ -230,7 +231,9 @@ class Property:
             kwargs.update(zip(positional, args))  # hypothesis may pass them by position
             stats.examples += 1
             drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
-            where = key(self.name, pool.world_size, printed(drawn)[0])
+            case = printed(drawn)
+            where = key(self.name, pool.world_size, case[0])
+            stats.printed[where] = case
             try:
                 self.call(pool, impl, kwargs, explain, stats.history)
             except UnsatisfiedAssumption:
