@@ -49,8 +49,7 @@ def test_a_failure_is_judged_by_the_releases_answer_on_its_own_case(shown, answe
 
 
 def _asked(prop="p", world_size=2, case=CASE, sig=("check:a",)):
-    printed, types = memo.printed({"case": case})
-    return memo.Asked(prop, world_size, printed, types, signature.of(sig))
+    return memo.Asked.of(prop, world_size, {"case": case}, sig)
 
 
 def test_a_memo_keeps_each_answer_by_its_exact_case_and_rebuilds_the_case(tmp_path):
@@ -61,11 +60,31 @@ def test_a_memo_keeps_each_answer_by_its_exact_case_and_rebuilds_the_case(tmp_pa
     m.put(_asked(case=dataclasses.replace(CASE, seed=CASE.seed + 1), sig=("check:b",)))
     assert m.save(path) == 3
     again = memo.Memo.load("2.13.0", [path])
-    printed = memo.printed({"case": CASE})[0]
-    assert again.get("p", 2, printed).signature == ("check:a",) and again.get("p", 4, printed).signature == ()
-    assert again.get("p", 2, printed).drawn() == {"case": CASE}
-    assert again.get("q", 2, printed) is None  # another property: never asked
-    assert [a.signature for a in again.failing("p", 2)] == [("check:a",), ("check:b",)]
+    drawn = {"case": CASE}
+    assert again.get("p", 2, drawn).signature == ("check:a",) and again.get("p", 4, drawn).signature == ()
+    assert again.get("p", 2, drawn).drawn() == drawn
+    assert again.get("q", 2, drawn) is None  # another property: never asked
+    assert sorted(a.signature for a in again.failing("p", 2)) == [("check:a",), ("check:b",)]
+
+
+def test_a_cases_identity_is_its_fields_a_field_added_with_a_default_keeps_every_answer(tmp_path, monkeypatch):
+    """The key is the case's fields that differ from their defaults: a field the case space
+    gains, with a default, changes no key (its printed form changes every one); an answer
+    kept by an earlier identity is keyed anew from its case, rebuilt."""
+    import dataclasses as dc
+
+    from tpdp_verify.cases import training
+
+    before = memo.key("p", 2, {"case": CASE})
+    assert before == memo.key("p", 2, {"case": dc.replace(CASE)})
+    assert before != memo.key("p", 2, {"case": dc.replace(CASE, seed=CASE.seed + 1)})
+    grown = dc.make_dataclass("TrainCase", [("added", int, dc.field(default=0))], bases=(training.TrainCase,),
+                              frozen=True)
+    assert memo.key("p", 2, {"case": grown(**{f.name: getattr(CASE, f.name) for f in dc.fields(CASE)})}) == before
+    old = dc.replace(_asked(), key="")  # as read from a memo without keys
+    assert old.key == _asked().key
+    monkeypatch.setattr(memo, "IDENTITY", memo.IDENTITY + 1)
+    assert memo.key("p", 2, {"case": CASE}) != before  # another revision: the keys computed anew
 
 
 def test_a_memo_of_another_release_or_harness_revision_answers_nothing(tmp_path, monkeypatch):

@@ -116,12 +116,11 @@ class Baseline:
 
     def answer(self, prop, pool, impl: str, drawn: dict, shown: signature.Signature) -> signature.Signature | None:
         """What the release shows on ``drawn`` (``()``: passes); None where it could not be asked."""
-        case, types = memos.printed(drawn)
         if self.is_candidate(impl):  # this very run is the release's answer: truer than one remembered
             self.asking.candidate += 1
             now = shown
         else:
-            known = self.memo.get(prop.name, pool.world_size, case)
+            known = self.memo.get(prop.name, pool.world_size, drawn)
             if known is not None:
                 self.asking.memo += 1
                 return known.signature
@@ -133,17 +132,19 @@ class Baseline:
             now = side.shows(prop, pool, drawn)
             self.asking.replays += 1
             self.asking.seconds += time.monotonic() - start
-        self.memo.put(memos.Asked(prop.name, pool.world_size, case, types, signature.of(now)))
+        self.memo.put(memos.Asked.of(prop.name, pool.world_size, drawn, now))
         return signature.of(now)
 
     def remember(self, prop: str, world_size: int, ran: dict, cases: dict) -> int:
         """Where this run is the release's (``is_candidate``): every case it ran, passes
         too, as the release's answers, so that the memo answers the draws themselves and not
-        only their failures. ``ran``: memo key -> signature; ``cases``: key -> (reprs, types).
-        How many were new to the memo."""
-        new = [k for k in ran if k not in self.memo.answers and k in cases]
+        only their failures, in the memo this run adds to (``memo_path``; the shipped one when it
+        records it) though another file holds them. ``ran``: memo key -> signature; ``cases``:
+        key -> (reprs, types). How many were new to that memo."""
+        new = [k for k in ran if k in cases and k not in self.memo.added
+               and self.memo.held_in.get(k) != self.memo_path]
         for k in new:
-            self.memo.put(memos.Asked(prop, world_size, *cases[k], signature.of(ran[k])))
+            self.memo.put(memos.Asked(prop, world_size, *cases[k], signature.of(ran[k]), k))
         return len(new)
 
     def side(self):

@@ -2,8 +2,11 @@
 
 Known means "the baseline release shows the same failure on the same case". Asking costs a
 run of the case on that release (tpdp_verify.runner.baseline), so each answer is kept: the
-property, the world size and the case's printed form (its seed and sizes included) are the
-key, the signature the release showed there (``()``: it passes) the answer. A memo holds
+property, the world size and the case's identity are the key, the signature the release
+showed there (``()``: it passes) the answer. A case's identity is its fields, those of each
+dataclass in it that differ from their defaults (``identity``, revision ``IDENTITY``): a
+field added with a default keeps every answer, where a printed form would lose them all. Each
+answer keeps the printed form too, to rebuild the case (a replay, a rerun). A memo holds
 answers of one release under one ``HARNESS`` revision, the other thing that decides what a
 case computes; a memo of another revision answers nothing.
 
@@ -14,6 +17,7 @@ to which a run adds what it asked. Nothing here knows a case it was not asked ab
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import gzip
 import json
@@ -30,27 +34,65 @@ SCHEMA = 3
 # (a check renamed, a value compared anew): the answers kept under the old revision no longer
 # say what the release does on the case as it now runs.
 HARNESS = 2  # 2: a raised part carries its message (signature.message); FSDP2's dp reduction is judged
+IDENTITY = 1  # bumped when identity() keeps other things of a case: the answers' keys are computed anew
 SHIPPED = Path(__file__).parent.parent / "memos"
 
 
-def key(prop: str, world_size: int, case: dict[str, str]) -> str:
-    """A case's identity: its property, world size and printed form (argument -> repr)."""
-    return json.dumps([prop, world_size, sorted(case.items())], separators=(",", ":"))
+def key(prop: str, world_size: int, drawn: dict) -> str:
+    """A drawn case's key in the memo: its property, world size and identity."""
+    return json.dumps([IDENTITY, prop, world_size, identity(drawn)], separators=(",", ":"), sort_keys=True)
+
+
+def identity(drawn: dict) -> dict:
+    """A case by its fields: argument -> value, a dataclass as its type and the fields that
+    differ from their defaults (those it shows: ``repr=False`` ones, a user's model, are not
+    the case), recursively; anything else by its repr."""
+    return {name: _fields(value) for name, value in drawn.items()}
+
+
+def _fields(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {"": type(value).__qualname__}
+        for f in dataclasses.fields(value):
+            if not f.repr:
+                continue
+            given = getattr(value, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else \
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+            if default is dataclasses.MISSING or not _same(given, default):
+                out[f.name] = _fields(given)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_fields(v) for v in value]
+    if isinstance(value, dict):
+        return {repr(k): _fields(v) for k, v in value.items()}
+    return repr(value)
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and repr(a) == repr(b)
 
 
 @dataclass(frozen=True)
 class Asked:
-    """One answer: the case as the baseline was asked (reprs, and the types to rebuild it)."""
+    """One answer: the case as the baseline was asked (reprs, and the types to rebuild it),
+    and its key (``key``: by identity, computed from the case when it was drawn)."""
 
     property: str
     world_size: int
     case: dict
     types: tuple
     signature: signature.Signature  # what the release showed; () where it passes
+    key: str = ""
 
-    @property
-    def key(self) -> str:
-        return key(self.property, self.world_size, self.case)
+    def __post_init__(self):
+        if not self.key:  # read from a memo of an earlier identity: the case rebuilt
+            object.__setattr__(self, "key", key(self.property, self.world_size, self.drawn()))
+
+    @classmethod
+    def of(cls, prop: str, world_size: int, drawn: dict, shown: signature.Signature) -> "Asked":
+        case, types = printed(drawn)
+        return cls(prop, world_size, case, types, signature.of(shown), key(prop, world_size, drawn))
 
     def drawn(self) -> dict:
         """The case rebuilt from its printed form, as a replay script does."""
@@ -58,7 +100,7 @@ class Asked:
 
     def to_json(self) -> dict:
         return {"property": self.property, "world_size": self.world_size, "case": self.case,
-                "types": list(self.types), "signature": list(self.signature)}
+                "types": list(self.types), "signature": list(self.signature), "key": self.key}
 
 
 def printed(drawn: dict) -> tuple[dict, tuple]:
@@ -90,9 +132,10 @@ class Memo:
     release: str  # the torch release answering, as pip spells it: 2.13.0
     answers: dict[str, Asked] = field(default_factory=dict)
     added: dict[str, Asked] = field(default_factory=dict)  # asked during this run: to be saved
+    held_in: dict[str, Path] = field(default_factory=dict)  # key -> the file its answer was read from
 
-    def get(self, prop: str, world_size: int, case: dict) -> Asked | None:
-        return self.answers.get(key(prop, world_size, case))
+    def get(self, prop: str, world_size: int, drawn: dict) -> Asked | None:
+        return self.answers.get(key(prop, world_size, drawn))
 
     def put(self, asked: Asked) -> None:
         self.answers[asked.key] = self.added[asked.key] = asked
@@ -106,7 +149,7 @@ class Memo:
         memo = cls(release)
         for path in paths:
             for asked in read(path, release):
-                memo.answers[asked.key] = asked
+                memo.answers[asked.key], memo.held_in[asked.key] = asked, path
         return memo
 
     def save(self, path: Path) -> int:
@@ -117,7 +160,7 @@ class Memo:
             fcntl.flock(lock, fcntl.LOCK_EX)
             held = {a.key: a for a in read(path, self.release)}
             held.update(self.added)
-            doc = {"schema": SCHEMA, "harness": HARNESS, "torch": self.release,
+            doc = {"schema": SCHEMA, "harness": HARNESS, "identity": IDENTITY, "torch": self.release,
                    "asked": [a.to_json() for a in sorted(held.values(), key=lambda a: (a.property, a.world_size,
                                                                                       a.key))]}
             text = json.dumps(doc, indent=0, separators=(",", ":")) + "\n"
@@ -146,9 +189,10 @@ def read(path: Path, release: str) -> list[Asked]:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("harness") != HARNESS \
             or doc.get("torch") != release:
         return []
+    keyed = doc.get("identity") == IDENTITY  # else each key is computed anew, from the case rebuilt
     try:
-        return [Asked(a["property"], a["world_size"], a["case"], tuple(a["types"]), signature.of(a["signature"]))
-                for a in doc["asked"]]
+        return [Asked(a["property"], a["world_size"], a["case"], tuple(a["types"]), signature.of(a["signature"]),
+                      a.get("key", "") if keyed else "") for a in doc["asked"]]
     except (KeyError, TypeError) as exc:
         raise UsageError(f"{path}: an answer lacks {exc}; delete the memo (its cases are asked again)") from None
 

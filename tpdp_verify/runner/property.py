@@ -231,9 +231,8 @@ class Property:
             kwargs.update(zip(positional, args))  # hypothesis may pass them by position
             stats.examples += 1
             drawn = {k: v for k, v in kwargs.items() if k in self.strategies}
-            case = printed(drawn)
-            where = key(self.name, pool.world_size, case[0])
-            stats.printed[where] = case
+            where = key(self.name, pool.world_size, drawn)
+            stats.printed[where] = printed(drawn)
             try:
                 self.call(pool, impl, kwargs, explain, stats.history)
             except UnsatisfiedAssumption:
