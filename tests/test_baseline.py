@@ -81,6 +81,14 @@ def test_a_cases_identity_is_its_fields_a_field_added_with_a_default_keeps_every
     grown = dc.make_dataclass("TrainCase", [("added", int, dc.field(default=0))], bases=(training.TrainCase,),
                               frozen=True)
     assert memo.key("p", 2, {"case": grown(**{f.name: getattr(CASE, f.name) for f in dc.fields(CASE)})}) == before
+    from tpdp_verify.cases.training import Loss
+
+    # fields printed late (repr=False) are the case too: left out, cases differing in them
+    # collided, and one's answer stood for the other's (identity revision 1)
+    with_loss = dc.replace(CASE, loss=Loss())
+    assert len({memo.key("p", 2, {"case": c}) for c in
+                (CASE, with_loss, dc.replace(with_loss, loss=Loss(logits="nchw")),
+                 dc.replace(CASE, dp_mesh_dims="shard"))}) == 4
     old = dc.replace(_asked(), key="")  # as read from a memo without keys
     assert old.key == _asked().key
     monkeypatch.setattr(memo, "IDENTITY", memo.IDENTITY + 1)

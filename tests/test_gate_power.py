@@ -56,7 +56,8 @@ def new(outcome, part=None):
 # the mutants whose cases the cover phase reaches (properties/losses.py EDGES): one drawn case
 BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1,
             torch_mutants.MaxNormSummedOverShards: 1, torch_mutants.DPReducedInParamDtype: 1,
-            torch_mutants.SoftmaxBackwardKeepsTheShard: 1}
+            torch_mutants.SoftmaxBackwardKeepsTheShard: 1, torch_mutants.FusedBackwardScaledUnderMean: 1,
+            torch_mutants.FusedBackwardScaledUnderSum: 1, torch_mutants.FusedBackwardScaledUnderNone: 1}
 
 
 @pytest.mark.timeout(600)
@@ -78,6 +79,11 @@ BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.Class
     # and the class weights left out of the fused backward
     (torch_mutants.IgnoredTargetsCountedInTheMean, losses_train_like_one_device, "value:loss"),
     (torch_mutants.ClassWeightsLeftOutOfTheBackward, losses_train_like_one_device, "value:gradient"),
+    # the fused backward off under one reduction alone: each reduction's edge through FSDP2
+    # reaches it where torch 2.13 is exact (issue 52)
+    (torch_mutants.FusedBackwardScaledUnderMean, losses_train_like_one_device, "value:gradient"),
+    (torch_mutants.FusedBackwardScaledUnderSum, losses_train_like_one_device, "value:gradient"),
+    (torch_mutants.FusedBackwardScaledUnderNone, losses_train_like_one_device, "value:gradient"),
     # softmax's backward summing over each rank's own shard of the vocabulary, which only a
     # gradient arriving vocab-sharded meets (the edge's expected cost; issue 42)
     (torch_mutants.SoftmaxBackwardKeepsTheShard, losses_train_like_one_device, "value:gradient"),

@@ -34,7 +34,10 @@ SCHEMA = 3
 # (a check renamed, a value compared anew): the answers kept under the old revision no longer
 # say what the release does on the case as it now runs.
 HARNESS = 2  # 2: a raised part carries its message (signature.message); FSDP2's dp reduction is judged
-IDENTITY = 1  # bumped when identity() keeps other things of a case: the answers' keys are computed anew
+# bumped when identity() keeps other things of a case: the answers' keys are computed anew.
+# 2: every field that takes part in equality (1 left out those printed late, repr=False: the
+# loss, the DP mesh dims, the clipping's way and norm, so cases that differ in them collided)
+IDENTITY = 2
 SHIPPED = Path(__file__).parent.parent / "memos"
 
 
@@ -45,8 +48,9 @@ def key(prop: str, world_size: int, drawn: dict) -> str:
 
 def identity(drawn: dict) -> dict:
     """A case by its fields: argument -> value, a dataclass as its type and the fields that
-    differ from their defaults (those it shows: ``repr=False`` ones, a user's model, are not
-    the case), recursively; anything else by its repr."""
+    differ from their defaults (every one that takes part in its equality; a user's model is
+    none where the memo is asked: the suite's cases hold no model), recursively; anything else
+    by its repr."""
     return {name: _fields(value) for name, value in drawn.items()}
 
 
@@ -54,7 +58,7 @@ def _fields(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {"": type(value).__qualname__}
         for f in dataclasses.fields(value):
-            if not f.repr:
+            if not f.compare:
                 continue
             given = getattr(value, f.name)
             default = f.default if f.default is not dataclasses.MISSING else \
