@@ -25,7 +25,8 @@ def _documented(section: str) -> dict[str, str]:
     out = {}
     for row in re.findall(r"^\| (`-[^|]*?) \|([^|]*)\|", section.replace("\\|", "/"), flags=re.M):
         options = re.findall(r"`(-[-\w]+)", row[0])
-        defaults = [d.strip().strip("`") for d in row[1].split(",")] if len(options) > 1 else [row[1].strip().strip("`")]
+        cells = row[1].split(",") if len(options) > 1 else [row[1]]
+        defaults = [d.strip().strip("`") for d in cells]
         out |= dict(zip(options, defaults + [""] * len(options)))
     return out
 

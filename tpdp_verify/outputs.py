@@ -128,7 +128,8 @@ def gate_record(outcomes: list, profile, impl: str, backend: str, seconds: float
         "interrupted": interrupted and {**interrupted, "not_run": [
             {"name": o.property, "world_size": o.world_size} for o in outcomes if o.status == Status.INTERRUPTED]},
         "baseline": _judgement(baseline, judged),
-        "verdict": statuses.worst([o.status for o in outcomes] + [Status.INFRA] * bool(error)),
+        "verdict": statuses.worst([o.status for o in outcomes] + [Status.INFRA] * bool(error)
+                                  + [Status.INTERRUPTED] * bool(interrupted)),
         "counts": statuses.count(o.status for o in outcomes),
         "not_searched": list(excluded),
         "properties": [

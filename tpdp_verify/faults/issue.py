@@ -112,7 +112,8 @@ def environment(python: str = "") -> str:
     try:
         done = subprocess.run([python or sys.executable, "-m", "torch.utils.collect_env"], capture_output=True,
                               text=True, timeout=120, stdin=subprocess.DEVNULL)
-        text = (done.stdout.strip() or done.stderr.strip()[-1000:]).removeprefix("Collecting environment information...")
+        text = done.stdout.strip() or done.stderr.strip()[-1000:]
+        text = text.removeprefix("Collecting environment information...")
     except (OSError, subprocess.TimeoutExpired) as exc:
         text = f"(torch.utils.collect_env did not run: {exc})"
     return unlocal(text.strip())

@@ -376,7 +376,8 @@ class _Ranks:
             f"rank {r} {stacks_of.where(stacks_of.frames(d))}" for r, d in sorted(stacks.items()) if d)
         return (f"{_ranks_text(pending)} of {len(self.conns)} {'has' if len(pending) == 1 else 'have'} not answered "
                 f"{what} for {WAITING_NOTICE:g} s"
-                + (f"; waiting in {inside}" if inside else "") + f"; they count as hung at the {self.limit:g} s timeout")
+                + (f"; waiting in {inside}" if inside else "")
+                + f"; they count as hung at the {self.limit:g} s timeout")
 
     def note(self, replies: dict[int, Reply], growth: float) -> None:
         """Count an answered call and watch the ranks' memory against their baseline."""

@@ -400,7 +400,8 @@ def summary(outcomes: list[Outcome], profile: Profile, impl: str, seconds: float
     short = [o for o in outcomes if o.short]
     out = [f"tpdp-verify gate: profile {profile.name}, implementation {impl}, torch {torch.__version__}"]
     out += [_line(o) for o in outcomes] if full else []
-    out.append(f"{statuses.counted(statuses.count(o.status for o in outcomes))} in {seconds:.1f} s ({profile.name} budget "
+    counted = statuses.counted(statuses.count(o.status for o in outcomes))
+    out.append(f"{counted} in {seconds:.1f} s ({profile.name} budget "
                f"{profile.budget:.0f} s{', OVER BUDGET' if seconds > profile.budget else ''})")
     if short and (full or len(short) <= 3):
         out.append(f"{len(short)} searches drew fewer examples than they ask: "
