@@ -74,7 +74,8 @@ def _fields(value):
 
 
 def _same(a, b) -> bool:
-    return type(a) is type(b) and repr(a) == repr(b)
+    """Field by field (a repr may leave a field out), not by ``==`` (a tensor's is elementwise)."""
+    return type(a) is type(b) and _fields(a) == _fields(b)
 
 
 @dataclass(frozen=True)
