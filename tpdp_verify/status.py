@@ -19,7 +19,7 @@ record read back compares equal to them.
 from __future__ import annotations
 
 import enum
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from tpdp_verify.errors import EXIT_DIVERGENCE, EXIT_INFRA, EXIT_NOT_ASKED, EXIT_OK
 
@@ -44,12 +44,12 @@ class Found(_Word):
 
     @property
     def blocks(self) -> bool:
-        return self in (Found.FOUND, Found.NEW, Found.CHANGED)
+        return _FOUND[self].blocks
 
     @property
     def goes_on(self) -> bool:
         """Counted, and the search draws on: hypothesis is told of the blocking ones only."""
-        return self in (Found.KNOWN, Found.NOT_ASKED)
+        return _FOUND[self].goes_on
 
 
 class Status(_Word):
@@ -74,23 +74,23 @@ class Status(_Word):
 
     @property
     def blocks(self) -> bool:
-        return self is Status.DIVERGES
+        return _STATUS[self].blocks
 
     @property
     def judged(self) -> bool:
         """Whether it is a verdict at all: infra, interrupted and not asked leave none."""
-        return self in (Status.PASS, Status.KNOWN, Status.DIVERGES)
-
-    @property
-    def green(self) -> bool:
-        """Whether CI reads it as a pass: exit 0, no JUnit failure or error, a passing pytest item."""
-        return self in (Status.PASS, Status.KNOWN)
+        return _STATUS[self].judged
 
     @property
     def exit_code(self) -> int:
         """The exit code of a run whose worst is this. An interrupted run exits with its
         signal's code (tpdp_verify.interrupts); alone, it is a run without a verdict."""
-        return _EXIT[self]
+        return _STATUS[self].exit_code
+
+    @property
+    def green(self) -> bool:
+        """Whether CI reads it as a pass: exit 0, no JUnit failure or error, a passing pytest item."""
+        return self.exit_code == EXIT_OK
 
     @property
     def junit(self) -> str | None:
@@ -99,18 +99,39 @@ class Status(_Word):
 
     @property
     def sentence(self) -> str:
-        return _SENTENCE[self]
+        return _STATUS[self].sentence
 
 
-_EXIT = {Status.PASS: EXIT_OK, Status.KNOWN: EXIT_OK, Status.NOT_ASKED: EXIT_NOT_ASKED,
-         Status.DIVERGES: EXIT_DIVERGENCE, Status.INFRA: EXIT_INFRA, Status.INTERRUPTED: EXIT_INFRA}
-_SENTENCE = {
-    Status.PASS: "passes",
-    Status.KNOWN: "passes: every failure is one the baseline release shows alike on the same case",
-    Status.NOT_ASKED: "no verdict: failures the baseline release could not be asked about",
-    Status.DIVERGES: "blocks: a divergence",
-    Status.INFRA: "no verdict: the harness failed",
-    Status.INTERRUPTED: "no verdict: interrupted",
+class _FoundRule(NamedTuple):
+    blocks: bool
+    goes_on: bool
+
+
+class _Rule(NamedTuple):
+    blocks: bool
+    judged: bool
+    exit_code: int
+    sentence: str
+
+
+# What each status means: a row each, the one place it is decided.
+_FOUND = {
+    Found.FOUND: _FoundRule(blocks=True, goes_on=False),
+    Found.NEW: _FoundRule(blocks=True, goes_on=False),
+    Found.CHANGED: _FoundRule(blocks=True, goes_on=False),
+    Found.FIXED: _FoundRule(blocks=False, goes_on=False),
+    Found.KNOWN: _FoundRule(blocks=False, goes_on=True),
+    Found.NOT_ASKED: _FoundRule(blocks=False, goes_on=True),
+}
+_STATUS = {
+    Status.PASS: _Rule(False, True, EXIT_OK, "passes"),
+    Status.KNOWN: _Rule(False, True, EXIT_OK,
+                        "passes: every failure is one the baseline release shows alike on the same case"),
+    Status.NOT_ASKED: _Rule(False, False, EXIT_NOT_ASKED,
+                            "no verdict: failures the baseline release could not be asked about"),
+    Status.DIVERGES: _Rule(True, True, EXIT_DIVERGENCE, "blocks: a divergence"),
+    Status.INFRA: _Rule(False, False, EXIT_INFRA, "no verdict: the harness failed"),
+    Status.INTERRUPTED: _Rule(False, False, EXIT_INFRA, "no verdict: interrupted"),
 }
 _ORDER = list(Status)
 
