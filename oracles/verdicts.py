@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from tpdp_verify.cases.training import MISWIRINGS, TrainCase
+from tpdp_verify.cases.training import DTENSOR, MISWIRINGS, TrainCase
 from tpdp_verify.judging.verdict import Verdict, assemble, handed_on_shard, judge_training, localize, upstream
 from tpdp_verify.oracles import aside
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp, observe_with_plain_ddp
@@ -30,7 +30,7 @@ def _explain(verdict: Verdict, pool, impl: str, case: TrainCase) -> None:
         elif any(not r.err.ok for r in verdict.rows):  # a module departs only where values do
             verdict.first_module = localize(traces, case, rounded, shadow)
             verdict.cause = upstream(verdict.first_module, shadow) if verdict.first_module else ""
-    if case.entry == "own":  # the user's function wraps DP with TP: it has no run without TP
+    if case.entry in ("own", DTENSOR):  # DP wrapped by the user's function with TP; or no wrapper to leave out
         return
     if case.dp_mesh_dims:
         verdict.beside = f"the same DTensor program without {case.entry}"

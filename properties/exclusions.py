@@ -262,6 +262,22 @@ LABEL_SMOOTHING_UNDER_LOSS_PARALLEL = Exclusion(
     "docs/properties.md#losses_train_like_one_device",
     lambda case: smooths_under_loss_parallel(case.loss))
 
+def mean_refused_under_loss_parallel(loss) -> bool:
+    """A mean of cross entropy or nll_loss under loss_parallel() over the SPMD form's mesh
+    (its batch loss, ``Loss.over``): a mesh of two or more dims."""
+    return (loss is not None and loss.parallel and loss.over == "batch" and loss.reduction == "mean"
+            and loss.kind in ("cross_entropy", "z_loss", "expected_cost", "nll"))
+
+
+MEAN_UNDER_LOSS_PARALLEL_ON_A_2D_MESH = Exclusion(
+    "mean_under_loss_parallel_on_a_2d_mesh", ("losses_train_like_one_device",),
+    "a mean of cross entropy or nll_loss under loss_parallel() on the SPMD form's mesh (two or more "
+    "dims): torch's docs say it is not supported (loss_parallel's docstring: \"only supported on a "
+    "one-dimensional DeviceMesh\", use a sum and divide by the global count) and it raises "
+    "NotImplementedError; drawn as a sum",
+    "docs/properties.md#losses_train_like_one_device",
+    lambda case: mean_refused_under_loss_parallel(case.loss))
+
 LOSS_OPTIONS = Exclusion(
     "losses_with_options_and_habits", ("losses_train_like_one_device",),
     "a drawn loss with the entry points' newer options or training habits set (comm hooks, "
@@ -298,7 +314,7 @@ EXCLUSIONS = (
     FSDP1_CHECKPOINT_ONE_DP_RANK, FSDP1_CHECKPOINT_ACCUMULATE,
     TREES_WITHOUT_PARAMETERS, HALF_AGAINST_ONE_DEVICE,
     HALF_OUTSIDE_SOUND, CHECKPOINT_OPTIONS, DIRECT_CALL_UNDER_FSDP, LABEL_SMOOTHING_UNDER_LOSS_PARALLEL,
-    LOSS_OPTIONS, LOSS_THROUGH_DEPARTING, REPLICATE_FSDP_ON_A_2D_DP_MESH,
+    MEAN_UNDER_LOSS_PARALLEL_ON_A_2D_MESH, LOSS_OPTIONS, LOSS_THROUGH_DEPARTING, REPLICATE_FSDP_ON_A_2D_DP_MESH,
 )
 
 # What checkpoint_cases keeps: training works, so there is something to checkpoint.

@@ -30,7 +30,7 @@ from tpdp_verify.cases.training import (
     Size,
     TrainCase,
 )
-from tpdp_verify.fixtures.zoo import ZOO
+from tpdp_verify.fixtures.zoo import TRAINED
 from tpdp_verify.oracles.checkpoints import verdict_resume, verdict_state_dict
 from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import REFUSED_ON_2D_DP_MESH
@@ -84,7 +84,7 @@ def large_dp_cases(draw, world_size: int, half: bool = False) -> TrainCase:
     ``half``: always a mixed-precision policy for FSDP2 and FSDP1 (trains_like_plain_dp's)."""
     view = draw(_one_of(VIEWS))
     mesh = draw(_one_of({"hsdp": hsdp_meshes, "spmd": spmd_meshes, "zero": weighted_meshes}[view](world_size)))
-    model = draw(_one_of(tuple(ZOO)))
+    model = draw(_one_of(TRAINED))
     if view == "hsdp":
         entry, spmd = draw(_one_of(tuple(e for e in HSDP_ENTRIES if e not in REFUSED_ON_2D_DP_MESH))), ""
     elif view == "zero":
@@ -191,7 +191,7 @@ def checkpoint_cases(draw, world_size: int) -> TrainCase:
     entry points' first options and no habits (the exclusion checkpoint_options_and_habits)."""
     view = draw(_one_of(VIEWS[:2]))
     mesh = draw(_one_of(hsdp_meshes(world_size) if view == "hsdp" else spmd_meshes(world_size)))
-    model = draw(_one_of(tuple(ZOO)))
+    model = draw(_one_of(TRAINED))
     entry = draw(_one_of(CHECKPOINTED)) if view == "hsdp" else "fully_shard"
     return TrainCase(model=model, size=draw(_sizes(model, mesh[-1])), mesh_shape=mesh, entry=entry,
                      fsdp1_strategy=draw(_one_of(FSDP1_HYBRID)) if entry == "fsdp1" else "",

@@ -39,7 +39,7 @@ from tpdp_verify.cases.training import (
     TrainCase,
     ddp_keywords,
 )
-from tpdp_verify.fixtures.zoo import ZOO
+from tpdp_verify.fixtures.zoo import TRAINED, ZOO
 from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import (
     CPU_COMM_HOOKS,
@@ -184,7 +184,7 @@ def _ignored(model: str) -> st.SearchStrategy[str]:
 @st.composite
 def train_cases(draw, world_size: int, entries: tuple[str, ...] = ENTRIES,
                 built: tuple[str, ...] = BUILT, static_graph: tuple[bool, ...] = (False, True),
-                models: tuple[str, ...] = tuple(ZOO), mesh_shapes: tuple[tuple[int, int], ...] | None = None,
+                models: tuple[str, ...] = TRAINED, mesh_shapes: tuple[tuple[int, int], ...] | None = None,
                 options: bool = True, half: bool = False, sound_only: bool = False) -> TrainCase:
     """Training cases on ``world_size`` ranks; the keywords narrow the space (tests, bench).
     ``options``: draw the entry points' newer options and the training habits (else each at

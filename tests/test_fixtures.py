@@ -25,7 +25,7 @@ def _run(fx: Fixture, size: Size, dtype: torch.dtype, seed: int = 0):
 
 
 def test_zoo_is_ordered_and_complete():
-    assert NAMES == ["mlp", "nested", "llama", "llama_sp", "llama_lm", "tied", "frozen", "unused",
+    assert NAMES == ["mlp", "nested", "llama", "llama_sp", "llama_lm", "tied", "lm_head", "frozen", "unused",
                      "uneven", "buffers"]
     assert all(fx.name == name and fx.note for name, fx in ZOO.items())
 
@@ -117,7 +117,7 @@ def _assert_matches(result: dict, name: str):
     assert tp_run["buffers"].keys() == ref["buffers"].keys()
     for buf, value in ref["buffers"].items():
         torch.testing.assert_close(tp_run["buffers"][buf], value, msg=lambda m: f"buffer {buf}: {m}")
-    assert result["output_is_dtensor"] == (name == "llama_lm")
+    assert result["output_is_dtensor"] == ZOO[name].loss_parallel  # vocab-sharded logits for loss_parallel
     if name == "tied":
         assert result["tied"], "head.weight is not embed.weight (a DTensor) after parallelize"
     if name == "frozen":
@@ -127,7 +127,7 @@ def _assert_matches(result: dict, name: str):
 
 
 MESHES = [(2, 1), (2, 2), (4, 2), (4, 4)]
-VOCAB_SHARDED = ("llama_lm", "tied")  # the zoo models whose vocab TP shards (an embedding, an output head)
+VOCAB_SHARDED = ("llama_lm", "tied", "lm_head")  # the zoo models whose vocab TP shards (an embedding, an output head)
 
 
 @pytest.mark.parametrize("world_size, tp", MESHES, ids=[f"ws{w}-tp{t}" for w, t in MESHES])

@@ -57,7 +57,8 @@ def new(outcome, part=None):
 BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.ClassWeightsLeftOutOfTheBackward: 1,
             torch_mutants.MaxNormSummedOverShards: 1, torch_mutants.DPReducedInParamDtype: 1,
             torch_mutants.SoftmaxBackwardKeepsTheShard: 1, torch_mutants.FusedBackwardScaledUnderMean: 1,
-            torch_mutants.FusedBackwardScaledUnderSum: 1, torch_mutants.FusedBackwardScaledUnderNone: 1}
+            torch_mutants.FusedBackwardScaledUnderSum: 1, torch_mutants.FusedBackwardScaledUnderNone: 1,
+            torch_mutants.BatchSumAveragedOverDP: 1}
 
 
 @pytest.mark.timeout(600)
@@ -84,6 +85,9 @@ BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.Class
     (torch_mutants.FusedBackwardScaledUnderMean, losses_train_like_one_device, "value:gradient"),
     (torch_mutants.FusedBackwardScaledUnderSum, losses_train_like_one_device, "value:gradient"),
     (torch_mutants.FusedBackwardScaledUnderNone, losses_train_like_one_device, "value:gradient"),
+    # DTensor's nll_loss reducing a batch's sum as a mean over the dp ranks: the SPMD edges'
+    # batch losses through DTensor alone, where torch 2.13 is exact (issue 49)
+    (torch_mutants.BatchSumAveragedOverDP, losses_train_like_one_device, "value:loss"),
     # softmax's backward summing over each rank's own shard of the vocabulary, which only a
     # gradient arriving vocab-sharded meets (the edge's expected cost; issue 42)
     (torch_mutants.SoftmaxBackwardKeepsTheShard, losses_train_like_one_device, "value:gradient"),

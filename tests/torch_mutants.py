@@ -618,6 +618,15 @@ def _entry_replaced(mapping: dict, key, value):
         mapping[key] = saved
 
 
+@contextlib.contextmanager
+def _entries_replaced(mapping: dict, keys, value):
+    """``mapping[key]`` set to ``value`` for each of ``keys``, for the run."""
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(_entry_replaced(mapping, key, value))
+        yield
+
+
 class MaxNormSummedOverShards(TorchReference):
     """DTensor reduces the shards' max norms by a sum, not a max: ``_get_norm_reduction_op``
     (torch/distributed/tensor/_ops/_math_ops.py) sends ``inf`` down the p-norm branch, as an
@@ -661,6 +670,28 @@ class SoftmaxBackwardKeepsTheShard(TorchReference):
                        "placements=src_spec.placements,")
         strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
         return _caches_cleared(_entry_replaced(strategies, torch.ops.aten._softmax_backward_data.default, kept))
+
+
+class BatchSumAveragedOverDP(TorchReference):
+    """DTensor's strategy for ``nll_loss`` (``nll_loss_forward_strategy``,
+    torch/distributed/tensor/_ops/_math_ops.py) reduces a sum over a target sharded on the
+    batch as a mean over the ranks, as an edit of its reduction's branch would: a loss over
+    the SPMD form's batch with ``reduction="sum"`` comes out 1/dp of the batch's. Only the
+    batch losses without loss_parallel meet it (the SPMD edges through DTensor alone:
+    properties/losses.py SPMD_EDGES), where torch 2.13 is exact (issue 49)."""
+
+    caught_by = frozenset({"losses_train_like_one_device"})
+    departs_as = frozenset({"LossBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._ops import _math_ops
+
+        averaged = _edited(_math_ops.nll_loss_forward_strategy, 'reduction_op = "sum"', 'reduction_op = "avg"')
+        strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+        ops = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
+        return _caches_cleared(_entries_replaced(strategies, ops, averaged))
 
 
 class AccumulatedGradReducedInParamDtype(TorchReference):

@@ -31,6 +31,11 @@ DP_FORMS = {"fsdp1_hybrid": {"fsdp1_strategy": "HYBRID_SHARD"}, "spmd_shard": {"
             "spmd_replicate": {"dp_mesh_dims": "replicate"}, "spmd_hsdp": {"dp_mesh_dims": "both"}}
 ON_3D_ONLY = ("hsdp", "fsdp1_hybrid", "spmd_hsdp")  # names that need a (dp_replicate, dp_shard, tp) mesh
 ON_3D_TOO = ("fsdp2", "fsdp1", "own", "spmd_shard", "spmd_replicate")  # names that take either mesh
+# The SPMD form with no DP wrapper at all: parameters Replicate() on the dp dims, the batch
+# sharded on them, and DTensor's own program reduces the gradients over dp (the oracle
+# fully_shard's dp_mesh_dims is held to, tpdp_verify.oracles.plain_ddp). Drawn where a
+# batch-sharded DTensor is what is judged (the losses), always with dp_mesh_dims="replicate".
+DTENSOR = "dtensor"
 DDP_ENTRIES = ("ddp_mesh", "transform_ddp", "replicate")  # those that take DDPOptions
 FSDP2_ENTRIES = ("fully_shard", "replicate_fsdp")  # those that take FSDP2Options
 # Those that take a 2-D DP mesh (HSDP: replicated over its first dimension, sharded over its
@@ -252,6 +257,7 @@ LOSS_KINDS = (
     "target_logprobs",  # each target's log-probability (log_softmax, nll_loss) weighted by a token's weight
     "teacher_kl",       # KL divergence to a fixed teacher distribution (log_softmax, kl_div)
     "z_loss",           # cross entropy plus a penalty on the log-partition (logsumexp) squared
+    "nll",              # F.nll_loss over log_softmax, with cross entropy's options but label smoothing
 )
 # A loss the edge cover cases alone take (properties/losses.py EDGES), never drawn: the
 # fixed draws stay as the shipped memo answers them
@@ -263,7 +269,14 @@ REDUCTIONS = ("mean", "sum", "none")  # over a sample's tokens; "none": the per-
 # first, (N, C, D) = (1, vocab, tokens); "nchw" as a per-pixel classifier's (N, C, H, W), the
 # tokens a grid. Under loss_parallel each goes through other branches of its ops (nll_loss2d).
 LOGITS = ("", "ncd", "nchw")
-LOSS_MODELS = ("tied", "llama_lm")  # the zoo's models with a vocabulary head
+LOSS_MODELS = ("tied", "llama_lm", "lm_head")  # the zoo's models with a vocabulary head
+# What one call of the loss reduces: "" each sample's tokens (the harness then weights the
+# samples, tpdp_verify.ranks.loop.weighted_loss); "batch" every token of the batch at once,
+# as users of the SPMD form write it, their logits and targets DTensors sharded on the batch
+# over dp: torch reduces over the dp ranks itself (the valid tokens' count, the class
+# weights' sum), with some dp rank's samples all padding where targets are ignored.
+# Drawn where the batch is a DTensor (the SPMD form): elsewhere each rank's mean is its own.
+OVER = ("", "batch")
 
 
 @dataclass(frozen=True)
@@ -277,9 +290,10 @@ class Loss:
     class_weights: bool = False     # cross entropy's weight: a fixed weight per vocabulary entry
     parallel: bool = True           # under loss_parallel(): the logits a vocab-sharded DTensor
     logits: str = field(default="", repr=False)  # one of LOGITS (in repr where set)
+    over: str = field(default="", repr=False)    # one of OVER (in repr where set)
 
     def __repr__(self) -> str:
-        return _repr(self, late=("logits",), default="")
+        return _repr(self, late=("logits", "over"), default="")
 
 
 BETWEEN = ("", "eval", "no_grad", "submodule")

@@ -789,7 +789,9 @@ averages the whole gradients of the sub-mesh form: a second division by the dp d
 
 - **Caught by:** `large_dp_trains_like_one_device` (`value:gradient`, max rel 1 - 1/dp) and
   `large_dp_trains_like_plain_dp` against the DTensor program without the wrapper, in every
-  form (`shard`, `replicate`, `both`), on 2-D and 3-D meshes, whatever the loss's reduction.
+  form (`shard`, `replicate`, `both`), on 2-D and 3-D meshes, whatever the loss's reduction;
+  `losses_train_like_one_device` in the SPMD form through FSDP2, whatever the loss (the
+  same loss through the DTensor program alone trains exactly, unless fault 31 meets it).
 
 - **Beside it:** under a `MixedPrecisionPolicy` whose `param_dtype` is not the data's (float16
   batches, bfloat16 parameters), the SPMD form's DTensor batches reach the first layer
@@ -810,7 +812,7 @@ averages the whole gradients of the sub-mesh form: a second division by the dp d
     shows=(
         # over the whole SPMD mesh every gradient is averaged over dp a second time
         Shows(("value:*",),
-              ("large_dp_*",),
+              ("large_dp_*", "losses_train_like_one_device"),
               (("entry", ("fully_shard", "replicate_fsdp")), ("dp_mesh_dims", True))),
         # ... and under a policy casting to another dtype than the data's, the DTensor batches reach the
         # first layer uncast
@@ -878,7 +880,8 @@ mask [2, 4] at index 0 does not match the shape of the indexed tensor`, the tied
 
 - **Caught by:** `large_dp_trains_like_one_device` (`raised:NotImplementedError`,
   `raised:IndexError`, `raised:AssertionError` under DTensor's dispatch), in the SPMD form
-  of those models.""",
+  of those models; `losses_train_like_one_device` in the SPMD form of `llama_lm` and `tied`,
+  with FSDP2 or with no wrapper (`lm_head`, a head over features, runs there).""",
     consequence="""a model whose attention is `scaled_dot_product_attention` cannot be
   verified in the SPMD form on CPU ranks; the MLP-shaped models are, and show fault 17.""",
     workaround="""none on the CPU; the NCCL backend reaches CUDA's attention kernels.""",
@@ -893,10 +896,17 @@ mask [2, 4] at index 0 does not match the shape of the indexed tensor`, the tied
         Shows(("raised:NotImplementedError at torch/distributed/tensor/_dispatch.py:*",
                "raised:AssertionError at torch/distributed/tensor/_dispatch.py:*", "raised:IndexError at *",
                "raised:RuntimeError at torch/nn/modules/linear.py:forward"),
-              ("large_dp_*",),
-              (("entry", ("fully_shard", "replicate_fsdp")),
+              ("large_dp_*", "losses_train_like_one_device"),
+              (("entry", ("fully_shard", "replicate_fsdp", "dtensor")),
                ("dp_mesh_dims", True),
                ("model", ("llama", "llama_sp", "llama_lm", "tied")))),
+        # any model's Linear over one sample a rank, sharded on a dp dimension of one rank: its view
+        # of [1, seq, dim] as [seq, dim] fails sharding propagation ("would remove or reshape sharded
+        # dimension"; the head over features, lm_head, with seq above 1)
+        Shows(("raised:RuntimeError at torch/nn/modules/linear.py:forward",),
+              ("large_dp_*", "losses_train_like_one_device"),
+              (("entry", ("fully_shard", "replicate_fsdp", "dtensor")), ("dp_mesh_dims", True), ("dp", (1,)),
+               ("local_batch", (1,)))),
     ),
     repro='f19_dtensor_spmd_programs_fail_on_cpu.py',
 ),
@@ -1253,5 +1263,71 @@ sharded over ranks returns it so); the suite meets it through `fully_shard` over
               (("entry", ("fully_shard",)), ("habits.norm_type", ("inf",)), ("habits.clip_by", ("clip_grad_norm_",)))),
     ),
     repro='f30_max_norm_read_per_rank.py',
+),
+Fault(
+    number=31,
+    name="a batch mean of cross entropy over DTensors averages the ranks' means",
+    title="Cross entropy's mean over logits sharded on the batch is the mean of each rank's mean: wrong, or nan, where ranks count their targets differently",
+    what="""With the batch a DTensor sharded over dp (the SPMD form: `fully_shard` over the whole mesh, or
+DTensor's program with no wrapper), `F.cross_entropy(logits, target, reduction="mean")` and
+`F.nll_loss` over the whole batch go through DTensor's `nll_loss_forward_strategy`, which makes the
+loss `Partial("avg")` of each rank's local mean. Each local mean divides by that rank's own total
+weight: its count of targets not ignored (`ignore_index`), or the sum of its targets' class
+weights. The mean of the ranks' means is the batch's mean only where every rank's total weight is
+the same (the strategy's check, `is_tensor_evenly_shardable`, looks at shapes only). With ignored
+targets spread unevenly over the ranks, or with class weights, the loss is wrong; where a rank's
+targets are all ignored (padding), its mean is 0/0 and the loss is nan on every rank. The
+gradients are right: the backward divides by the summed total weight. `loss_parallel()` refuses a
+mean on a mesh of two dims instead.
+
+- **Caught by:** `losses_train_like_one_device` (`value:loss`), with the loss taken over the batch
+  (`Loss.over`) in the SPMD form, without `loss_parallel()`.""",
+    consequence="""the logged loss of a model trained with padded batches or class weights is wrong, and nan
+  whenever one dp rank's samples are all padding: a loop that skips a step on a nan loss, stops
+  early or schedules on the loss acts on a number one device never computes.""",
+    workaround="""take the sum and divide by the global total weight: `F.cross_entropy(..., reduction="sum") /
+  (target != ignore_index).sum()` (with class weights, `/ weight[target[target != ignore_index]].sum()`),
+  both DTensor reductions over dp, as loss_parallel's docs advise.""",
+    fix="reduction='sum', divided by the global count of targets not ignored (a DTensor sum)",
+    entry_points=('dtensor', 'fully_shard', 'replicate_fsdp'),
+    apis=('torch.nn.functional.cross_entropy(reduction="mean")', 'torch.nn.functional.nll_loss(reduction="mean")',
+          'DTensor'),
+    source=('torch.distributed.tensor._ops._math_ops:nll_loss_forward_strategy',),
+    shows=(
+        # the loss over the batch's ignored targets, spread unevenly over the dp ranks; or with class weights
+        *(Shows(("value:loss",), ("losses_train_like_one_device",),
+                (("loss.over", ("batch",)), ("loss.parallel", False), ("loss.reduction", ("mean",)),
+                 ("loss.kind", ("cross_entropy", "z_loss", "expected_cost", "nll")), (uneven, True),
+                 ("dp", (2, 3, 4, 5, 6, 7, 8))))
+          for uneven in ("loss.ignore_index", "loss.class_weights")),
+    ),
+    repro='f31_dtensor_batch_mean_of_means.py',
+),
+Fault(
+    number=32,
+    name='loss_parallel left on after an exception',
+    title='An exception inside `loss_parallel()` leaves its loss handlers on for the rest of the process',
+    what="""`loss_parallel` is a generator context manager that calls `_enable_custom_loss_ops()`, yields,
+then `_disable_custom_loss_ops()`, with no `try`/`finally`. When its body raises (a batch that fails,
+a loss torch refuses, such as a mean on a mesh of two dims, an interrupt a training loop catches to
+skip a step), the parallel handlers of `_log_softmax` and `nll_loss` stay registered in DTensor's
+dispatcher. Every later cross entropy over a DTensor in that process, outside any
+`loss_parallel()`, goes through them: over replicated logits (an evaluation loop's) it raises
+`loss_parallel() requires exactly one mesh dim to shard tensor dimension 1`.
+
+- **Caught by:** its reproduction alone. The gate's ranks are replaced after any exception (so
+  that no case depends on the ones before it), and never run a loss after one.""",
+    consequence="""a training loop that survives an exception in its loss step (a skipped batch, a retried
+  step) computes every later DTensor loss with the parallel handlers: evaluation over replicated
+  logits raises, and a loss over sharded logits meant to be gathered goes through loss_parallel's
+  code.""",
+    workaround="""enter `loss_parallel()` around the loss and its backward only, and where the block may
+  raise, call `torch.distributed.tensor.parallel.loss._disable_custom_loss_ops()` in a `finally`.""",
+    fix="keep loss_parallel() around the loss and backward only; disable its ops in a finally where the block may raise",
+    entry_points=(),
+    apis=('torch.distributed.tensor.parallel.loss_parallel',),
+    source=('torch.distributed.tensor.parallel.loss:loss_parallel',),
+    shows=(),
+    repro='f32_loss_parallel_left_on_after_an_exception.py',
 ),
 )

@@ -124,9 +124,10 @@ def _mesh(out: dict, drawn: dict) -> dict:
 # the widths each zoo model's plan shards over tp (fixtures/zoo.py, plans.py)
 SHARDED = {"mlp": ("hidden",), "frozen": ("hidden",), "unused": ("hidden",), "buffers": ("hidden",),
            "nested": ("hidden",), "llama": ("dim", "hidden"), "llama_sp": ("dim", "hidden"),
-           "llama_lm": ("dim", "hidden", "vocab"), "tied": ("hidden", "vocab"), "uneven": ("hidden", "dim")}
+           "llama_lm": ("dim", "hidden", "vocab"), "tied": ("hidden", "vocab"), "uneven": ("hidden", "dim"),
+           "lm_head": ("hidden", "vocab")}
 # the zoo models whose module DP is told to ignore (ranks/loop.py, ignorable) holds DTensors
-IGNORED_TP = ("mlp", "llama_sp", "llama_lm", "tied", "unused", "uneven")
+IGNORED_TP = ("mlp", "llama_sp", "llama_lm", "tied", "unused", "uneven", "lm_head")
 
 
 def _zoo(out: dict, drawn: dict) -> dict:

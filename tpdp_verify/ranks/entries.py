@@ -303,7 +303,14 @@ SETS = {
 }
 
 
+def wrap_dtensor(model, case: TrainCase, mesh, impl) -> Wrapped:
+    """No wrapper (cases.training.DTENSOR): the SPMD form's DTensor program alone, its
+    gradients accumulating over microbatches as any module's do."""
+    return Wrapped(model, model, contextlib.nullcontext)
+
+
 WRAP = {
+    "dtensor": wrap_dtensor,
     "ddp_mesh": wrap_ddp_mesh,
     "transform_ddp": wrap_transform_ddp,
     "replicate": wrap_replicate,
