@@ -17,7 +17,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpdp_verify.cases.training import BETWEEN, ENTRIES, HALF, IGNORED, MISWIRINGS, NORM_TYPES, ddp_keywords
+from tpdp_verify.cases.training import (
+    BETWEEN,
+    BUFFERED,
+    BUFFERS,
+    ENTRIES,
+    HALF,
+    IGNORED,
+    MISWIRINGS,
+    NORM_TYPES,
+    ddp_keywords,
+)
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
 from tpdp_verify.properties.checkpoint import (
     checkpoint_resumes,
@@ -96,6 +106,8 @@ def values(c) -> list[str]:
                     f"habits.norm_type={habits.norm_type} by {habits.clip_by} under {under}"])
         if c.entry == "fully_shard" and c.dp > 1:  # each norm's shards reduced across dp ranks
             out.extend([f"habits.norm_type={habits.norm_type} by {habits.clip_by} over dp shards"])
+    if c.model in BUFFERED:
+        out.extend([f"habits.buffers={habits.buffers}"])
     if c.entry in DDP:
         out.extend([f"ddp.init_sync={ddp.init_sync}", f"ddp.comm_hook={ddp.comm_hook}",
                     f"ddp.skip_all_reduce_unused_params={ddp.skip_all_reduce_unused_params}",
@@ -137,6 +149,7 @@ EXPECTED = (
     + [f"habits.set_to_none={v}" for v in (True, False)]
     + [f"habits.ignored={v}" for v in ("", *IGNORED)]
     + [f"habits.checkpoint=True under {e}" for e in ("ddp", *FSDP2, "fsdp1")]
+    + [f"habits.buffers={v}" for v in BUFFERS]
 )
 
 
@@ -263,7 +276,6 @@ MASKING = ("raised:", "crash:", "hang", "value:")
 # No cover case unmasks them on 2.13.0: the entry points they live on fail there always. The
 # test below shows each reason, and fails where a value here gains unmasked reach (drop it).
 MASKED_ON_THE_RELEASE = {
-    "entry=replicate": "faults 1, 3, 5, 8, 9: replicate() with TP fails every case",
     "ddp.comm_hook=fp16_compress": "faults 1, 2, 3: the DDP transform departs on every case with the hook",
     **{f"habits.clip_by={w} under ddp": "faults 1, 5, 8: DDP with TP clips by each rank's local norm"
        for w in ("clip_grad_norm_", "get_total_norm")},

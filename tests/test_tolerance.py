@@ -146,3 +146,35 @@ def test_a_slack_is_taken_off_its_element_only():
     assert not error(stepped_the_other_way, shadow.float(), shadow).ok
     assert error(stepped_the_other_way, shadow.float(), shadow, slack=slack).ok
     assert not error(stepped_the_other_way * torch.tensor([1.001, 1.0]), shadow.float(), shadow, slack=slack).ok
+
+
+def test_a_complex_buffer_made_real_is_a_failed_check_and_one_kept_is_compared():
+    """A RoPE cache's complex rotations are judged as they are: made real (its imaginary part
+    dropped, as Module.to(float32) does) is a failed check; kept, its real and imaginary parts
+    are compared within the bound (issue 49)."""
+    from tpdp_verify.judging.verdict import Verdict, _values
+
+    turned = torch.polar(torch.ones(3), torch.tensor([0.5, 1.0, 2.0]))
+    shadow = {"rotation": turned.to(torch.complex128)}
+    made_real, kept, off = Verdict(), Verdict(), Verdict()
+    _values("buffer", 1, {"rotation": turned.real}, {"rotation": turned}, shadow, made_real, torch.float32)
+    _values("buffer", 1, {"rotation": turned}, {"rotation": turned}, shadow, kept, torch.float32)
+    _values("buffer", 1, {"rotation": turned.conj().resolve_conj()}, {"rotation": turned}, shadow, off, torch.float32)
+    assert [c.name for c in made_real.checks if not c.ok] == ["buffer keeps its kind of dtype"]
+    assert all(c.ok for c in kept.checks) and len(kept.rows) == 1 and kept.rows[0].err.ok
+    assert not off.rows[0].err.ok  # the imaginary part is compared
+
+
+def test_a_model_in_a_dtype_keeps_its_complex_and_integer_buffers():
+    import copy
+
+    from tpdp_verify.fixtures import ZOO, Size
+    from tpdp_verify.ranks.loop import in_dtype
+
+    built = ZOO["buffers"].build(Size())
+    for dtype, rotations in ((torch.float32, torch.complex64), (torch.float64, torch.complex128),
+                             (torch.bfloat16, torch.complex64)):
+        model = in_dtype(copy.deepcopy(built), dtype)
+        assert (model.scale.dtype, model.rotation.dtype, model.steps.dtype) == (dtype, rotations, torch.long)
+        torch.testing.assert_close(model.rotation.imag.double(), built.rotation.imag.double(),
+                                   atol=1e-7, rtol=0)

@@ -244,9 +244,11 @@ class Habits:
     ignored: str = ""
     clip_by: str = field(default=CLIP_BY[0], repr=False)  # one of CLIP_BY (in repr where not the first)
     norm_type: str = field(default=NORM_TYPES[0], repr=False)  # one of NORM_TYPES (in repr where not 2)
+    buffers: str = field(default="", repr=False)  # one of BUFFERS (in repr where set)
 
     def __repr__(self) -> str:
-        return _repr(self, late=("clip_by", "norm_type"), default={"clip_by": CLIP_BY[0], "norm_type": NORM_TYPES[0]})
+        return _repr(self, late=("clip_by", "norm_type", "buffers"),
+                     default={"clip_by": CLIP_BY[0], "norm_type": NORM_TYPES[0], "buffers": ""})
 
 
 # Losses over a vocabulary head's logits, as users write them (tpdp_verify.fixtures.losses):
@@ -297,6 +299,11 @@ class Loss:
 
 
 BETWEEN = ("", "eval", "no_grad", "submodule")
+# How the model holds its buffers after TP (Habits.buffers): "" as built; "dtensor" each a
+# DTensor replicated over tp, as torchtitan holds its RoPE cache (the model reads their local
+# values). Drawn for the zoo models whose forward reads them (BUFFERED).
+BUFFERS = ("", "dtensor")
+BUFFERED = ("buffers",)
 IGNORED = ("frozen", "trained")
 
 # Meshes a user can cross, which the entry points must refuse or train through exactly:

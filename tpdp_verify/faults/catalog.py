@@ -1330,4 +1330,41 @@ dispatcher. Every later cross entropy over a DTensor in that process, outside an
     shows=(),
     repro='f32_loss_parallel_left_on_after_an_exception.py',
 ),
+Fault(
+    number=33,
+    name='DDP with TP refuses a DTensor buffer',
+    title='DDP with TP cannot wrap a model that holds a DTensor buffer',
+    what="""A TP model whose buffer is a DTensor replicated over tp (torchtitan holds its RoPE cache so)
+cannot be wrapped by `DistributedDataParallel(model, device_mesh=mesh["dp"])` or by DDP after
+`_pre_dp_module_transform`: the transform turns the DTensor parameters into local tensors for
+DDP, but not the buffers, and DDP's initial sync of the module's states (`_sync_module_states`)
+broadcasts the DTensor (`Operator c10d.broadcast_.default does not have a sharding strategy
+registered`) or coalesces it with plain tensors (`aten.cat.default got mixed torch.Tensor and
+DTensor`); with `init_sync=False`, its first forward's sync of the buffers broadcasts it. The
+same model with plain buffers wraps; FSDP1 and FSDP2 take the DTensor buffer.
+
+- **Caught by:** the training and checkpoint properties (`raised:RuntimeError` or
+  `raised:NotImplementedError at torch/nn/parallel/distributed.py:__init__`), on the `buffers`
+  model holding its buffers as DTensors (`Habits.buffers`).""",
+    consequence="""a model that keeps its rotary cache or other buffers as DTensors (torchtitan's Llama) cannot
+  be trained with DDP and TP.""",
+    workaround="""keep the buffers plain local tensors (`buffer.to_local()`, replicated: the whole value)
+  before wrapping, or tell DDP to leave them out
+  (`DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)`), or use FSDP2.""",
+    fix="make DTensor buffers plain (to_local) before wrapping with DDP, or use FSDP2",
+    entry_points=('transform_ddp', 'ddp_mesh'),
+    apis=('DistributedDataParallel(device_mesh=...)', 'torch.distributed.tensor.parallel.ddp._pre_dp_module_transform'),
+    source=('torch.distributed.tensor.parallel.ddp:_pre_dp_module_transform',
+            'torch.distributed.utils:_sync_module_states'),
+    shows=(
+        # DDP's initial sync of the module's states meets the DTensor buffers
+        Shows(("raised:NotImplementedError at torch/nn/parallel/distributed.py:__init__: Operator c10d.broadcast_*",
+               "raised:RuntimeError at torch/nn/parallel/distributed.py:__init__: aten.cat.default got mixed*",
+               # ... or, with init_sync=False, its first forward's sync of the buffers
+               "raised:NotImplementedError at torch/nn/parallel/distributed.py:forward: Operator c10d.broadcast_*"),
+              ("*",),
+              (("entry", ("transform_ddp", "ddp_mesh")), ("habits.buffers", ("dtensor",)))),
+    ),
+    repro='f33_ddp_tp_dtensor_buffer.py',
+),
 )

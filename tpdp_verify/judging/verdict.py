@@ -278,9 +278,18 @@ def _values(what: str, step: int, observed: dict, rounded: dict, shadow: dict, o
             out.checks.append(Check(f"{what} shape", False,
                                     f"step {step}: {name}: shape {tuple(got.shape)}, oracle {tuple(exact.shape)}"))
             continue
+        if _kind(got) != _kind(exact):  # a complex buffer made real drops its imaginary part
+            out.checks.append(Check(f"{what} keeps its kind of dtype", False,
+                                    f"step {step}: {name}: {got.dtype}, oracle {exact.dtype}"))
+            continue
+        got, base, exact = (torch.view_as_real(t) if t.is_complex() else t for t in (got, base, exact))
         # the first step's gradients as whole tensors too, where half precision hides a scaling
         out.rows.append(Row(what, step, name, error(got, base, exact, dtype, scale, whole=(what, step) == ("gradient", 1),
                                                     slack=(slack or {}).get(name))))
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "complex" if t.is_complex() else "floating point" if t.is_floating_point() else "integer"
 
 
 def judge_training(case: TrainCase, observed: Trace, rounded: Trace, shadow: Trace,

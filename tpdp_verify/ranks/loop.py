@@ -129,10 +129,19 @@ def build(case: TrainCase, dtype: torch.dtype | None = None) -> nn.Module:
     case's dtype unless told otherwise (the float64 shadow). A module the case's DP entry
     point ignores is frozen here, in every run alike (Habits.ignored)."""
     torch.manual_seed(case.seed)
-    model = fixture(case).build(case.size).to(dtype or case.torch_dtype)
+    model = in_dtype(fixture(case).build(case.size), dtype or case.torch_dtype)
     if case.habits.ignored == "frozen":
         ignorable(model).requires_grad_(False)
     return model
+
+
+def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model's floating-point parameters and buffers in ``dtype``; a complex buffer (a
+    RoPE cache's rotations) complex still, in the precision beside it (complex128 with
+    float64, else complex64: the CPU has no complex half), where ``Module.to(dtype)`` would
+    drop its imaginary part; integer ones as they are."""
+    rotations = torch.complex128 if dtype == torch.float64 else torch.complex64
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t.to(rotations) if t.is_complex() else t)
 
 
 def ignorable(model: nn.Module) -> nn.Module | None:

@@ -95,6 +95,16 @@ def _failed(stage: str, exc: Exception) -> Trace:
     return trace
 
 
+def replicated_buffers(model, tp_mesh) -> None:
+    """Habits.buffers "dtensor": each buffer a DTensor replicated over tp, as torchtitan holds
+    its RoPE cache."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for name, b in list(model.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = distribute_tensor(b, tp_mesh, [Replicate()])
+
+
 def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     """The case's model from ``seed`` (default the case's), TP'd on mesh["tp"] unless ``tp``
     is False: (model, its parameters before any DP wrapper, the optimizer the case builds
@@ -107,6 +117,8 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
         model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
             fx.after_parallelize(model)
+        if case.habits.buffers == "dtensor":
+            replicated_buffers(model, mesh["tp"])
         if case.habits.ignored == "frozen":  # frozen again after TP, as users who freeze a parallelized
             # model do: SequenceParallel drops requires_grad (docs/known-divergences.md, fault 7)
             ignorable(model).requires_grad_(False)
