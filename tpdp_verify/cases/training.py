@@ -301,7 +301,8 @@ class Loss:
 BETWEEN = ("", "eval", "no_grad", "submodule")
 # How the model holds its buffers after TP (Habits.buffers): "" as built; "dtensor" each a
 # DTensor replicated over tp, as torchtitan holds its RoPE cache (the model reads their local
-# values). Drawn for the zoo models whose forward reads them (BUFFERED).
+# values). The cover cases of entry_points_train_like_one_device set it on the buffers model
+# (BUFFERED), whose forward reads them.
 BUFFERS = ("", "dtensor")
 BUFFERED = ("buffers",)
 IGNORED = ("frozen", "trained")
