@@ -325,11 +325,14 @@ def every_clip(strategies: dict) -> list[dict]:
 def every_habit(strategies: dict) -> list[dict]:
     """every_clip's cases; activation checkpointing under FSDP1, which the draw meets only
     where torch 2.13 fails already (issue 52); and the buffers model (whose sizes are the
-    MLP's) through every entry point with its buffers held as DTensors (Habits.buffers:
-    DDP refuses them, fault 33). Not drawn: a habit drawn for one model would move the
-    fixed draws of every training property, whose answers the shipped memo holds."""
-    covers = [dataclasses.replace(c, habits=Habits(checkpoint=True)) for c in every_entry(strategies, ("fsdp1",))]
-    covers += [dataclasses.replace(c, model="buffers", habits=Habits(buffers="dtensor")) for c in every_entry(strategies)]
+    MLP's) with its buffers held as DTensors (Habits.buffers) through DDP (which refuses
+    them, fault 33), FSDP1 and both FSDP2 entry points. Not drawn: a habit drawn for one
+    model would move the fixed draws of every training property, whose answers the shipped
+    memo holds. The entry points are every_clip's and FSDP1: each other one is a search of
+    its own wherever a narrowed space lacks it (a test's)."""
+    through = every_entry(strategies, ("ddp_mesh", "fsdp1", *FSDP2_ENTRIES))
+    covers = [dataclasses.replace(c, habits=Habits(checkpoint=True)) for c in through if c.entry == "fsdp1"]
+    covers += [dataclasses.replace(c, model="buffers", habits=Habits(buffers="dtensor")) for c in through]
     return every_clip(strategies) + [{"case": c} for c in covers]
 
 

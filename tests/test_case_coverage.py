@@ -225,7 +225,7 @@ def _a_rank_all_ignored(c) -> bool:
 
 
 def loss_expected() -> list[str]:
-    from tpdp_verify.cases.training import DTENSOR, EDGE_LOSS_KINDS, LOSS_KINDS, LOSS_MODELS, REDUCTIONS
+    from tpdp_verify.cases.training import DTENSOR, EDGE_LOSS_KINDS, LOSS_KINDS, LOSS_MODELS, OVER, REDUCTIONS
     from tpdp_verify.fixtures.zoo import TRAINED
     from tpdp_verify.properties.exclusions import SOUND_TRAINING
     from tpdp_verify.properties.losses import EDGES, SPMD_EDGES
@@ -247,7 +247,8 @@ def loss_expected() -> list[str]:
             # the SPMD form's batch losses (issue 49): its forms, through FSDP2 and alone, each
             # reduction on each side of loss_parallel (its mean refused on the 2-D mesh), and
             # ignored targets leaving a dp rank none valid
-            + [f"dp_mesh_dims={f}" for f in ("", "shard", "replicate")] + [f"entry={DTENSOR}", "over=batch"]
+            + [f"dp_mesh_dims={f}" for f in ("", "shard", "replicate")] + [f"entry={DTENSOR}"]
+            + [f"over={o}" for o in OVER]
             + [f"over=batch reduction={r} parallel={p}" for r in REDUCTIONS for p in (True, False)
                if not (p and r == "mean")]
             + ["a dp rank's targets all ignored"] + [f"spmd edge {name} through {DTENSOR}" for name in SPMD_EDGES])
