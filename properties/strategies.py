@@ -6,11 +6,13 @@ A drawn case prints as a constructor call, so a falsifying example replays by pa
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from tpdp_verify.cases.tensors import FSDPCase, TensorCase
+from tpdp_verify.cases.tensors import FSDPCase, NestedCase, TensorCase
 
 TENSOR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -72,5 +74,36 @@ def fsdp_cases(draw, world_size: int, mesh_dims: tuple[int, ...] = (2, 3)) -> FS
         tp_placement=draw(tp),
         shape=shape,
         dtype=draw(st.sampled_from(TENSOR_DTYPES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+# -- nested shards over flattened meshes -------------------------------------------------
+
+
+@st.composite
+def nested_cases(draw, world_size: int) -> NestedCase:
+    """NestedCases on meshes of two and three dims, three draws in four a mesh where two dims
+    or more are real; three mesh dims in four shard one drawn tensor dim (nested), the rest
+    another dim or none; dims that divide, do not, and are smaller than the mesh dims that
+    share them; three draws in four a run of two or more consecutive mesh dims flattened
+    before. Shrinking goes to the nested and the flattened."""
+    ndim_mesh = draw(st.sampled_from((2, 3)))
+    shapes = factorizations(world_size, ndim_mesh)
+    real = [s for s in shapes if sum(n > 1 for n in s) >= 2]
+    mesh_shape = draw(st.sampled_from(real if real and draw(st.integers(0, 3)) < 3 else shapes))
+    ndim = draw(st.integers(1, 3))
+    shared = draw(st.integers(0, ndim - 1))
+    other = st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard))
+    placements = tuple(Shard(shared) if draw(st.integers(0, 3)) < 3 else draw(other) for _ in mesh_shape)
+    largest = 2 * math.prod(mesh_shape) + 1
+    shape = tuple(draw(st.lists(st.integers(1, largest), min_size=ndim, max_size=ndim)))
+    runs = [tuple(range(a, b)) for a in range(ndim_mesh) for b in range(a + 2, ndim_mesh + 1)]
+    return NestedCase(
+        mesh_shape=mesh_shape,
+        placements=placements,
+        shape=shape,
+        dtype=draw(st.sampled_from(TENSOR_DTYPES)),
+        flattened=draw(st.sampled_from(runs)) if draw(st.integers(0, 3)) < 3 else (),
         seed=draw(st.integers(0, 2**16)),
     )

@@ -364,3 +364,35 @@ def test_the_ci_profile_reaches_each_loss_where_the_release_can_still_fail(value
     edges through FSDP2), unless LOSSES_MASKED_ON_THE_RELEASE says why not."""
     _judge_reach(value, *loss_reach(), LOSSES_MASKED_ON_THE_RELEASE, "add an edge (properties/losses.py EDGES) "
                  "through an entry point where 2.13.0 trains exactly")
+
+
+def nested_values(case) -> list[str]:
+    """A NestedCase's region: whether a tensor dim is sharded over two real mesh dims or more
+    (nested), dividing or not, on a mesh whose submesh was flattened or not."""
+    from tpdp_verify.faults.record import facts
+
+    found = facts({"case": case})
+    over = Counter(p.dim for p, n in zip(case.placements, case.mesh_shape) if p.is_shard() and n > 1)
+    if max(over.values(), default=0) < 2:
+        return ["not nested"]
+    return [f"nested {'unevenly' if found['nested_unevenly'] else 'evenly'}"
+            f"{', flattened' if case.flattened else ''}"]
+
+
+NESTED = [f"nested {how}{flat}" for how in ("evenly", "unevenly") for flat in ("", ", flattened")]
+
+
+@pytest.mark.parametrize("value", NESTED)
+def test_the_ci_profile_reaches_each_nested_layout_where_the_release_reads_it_back(value):
+    """nested_shards_read_back at ci meets each nested region (issue 49) on a case torch
+    2.13.0 reads back exactly, so that a regression there is NEW; fault 34 fails some of the
+    uneven ones over a flattened mesh, not all."""
+    from tpdp_verify.properties.layouts import nested_shards_read_back as prop
+
+    passing, failing = Counter(), Counter()
+    for ws in CI.world_sizes:
+        if ws >= prop.min_world_size:
+            for args in drawn_args(prop, ws):
+                answer = release_answers()[memo.key(prop.name, ws, args)]
+                (failing if answer.signature else passing).update(nested_values(args["case"]))
+    assert passing[value] > 0, f"no ci case {value} that torch 2.13.0 reads back exactly ({failing[value]} it fails)"

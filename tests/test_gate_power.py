@@ -20,7 +20,7 @@ import pytest
 
 from tpdp_verify.properties import (checkpoint_resumes, chunk_tensor_metadata, entry_points_train_like_one_device,
                                     flatten_roundtrip, ignored_params_untouched, losses_train_like_one_device,
-                                    miswiring_refused_or_exact, trains_like_one_device,
+                                    miswiring_refused_or_exact, nested_shards_read_back, trains_like_one_device,
                                     trains_like_plain_ddp)
 from tpdp_verify import signature
 from tpdp_verify.runner import profiles
@@ -120,6 +120,15 @@ def test_a_gradient_fault_of_fsdp1_alone_is_new_where_another_entry_point_depart
     outcome = judged(entry_points_train_like_one_device, tpdp_pools.get(4), torch_mutants.FSDP1GradScales)
     found = new(outcome, "value:gradient")
     assert found and all(f.drawn["case"].entry == "fsdp1" for f in found), outcome.findings
+
+
+@pytest.mark.timeout(300)
+def test_a_merged_gather_on_the_wrong_mesh_is_new_where_the_release_reads_nested_shards_back(tpdp_pools):
+    """DTensor's merged gather of a dim sharded over two mesh dims, run over the root mesh's
+    first dim instead of their flattened submesh: NEW on the ci draw's nested layouts that
+    torch 2.13 reads back exactly (the even ones; fault 34 is the uneven ones; issue 49)."""
+    outcome = judged(nested_shards_read_back, tpdp_pools.get(4), torch_mutants.MergedGatherOnTheRootMesh)
+    assert new(outcome, "check:full_tensor-gives-t"), outcome.findings
 
 
 @pytest.mark.timeout(600)

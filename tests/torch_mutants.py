@@ -591,6 +591,25 @@ class NormLeftPerRank(TorchReference):
         return _replaced((clip_grad, "_get_total_norm", per_rank), (torch.nn.utils, "get_total_norm", per_rank))
 
 
+class MergedGatherOnTheRootMesh(TorchReference):
+    """DTensor's planner, merging the collectives of a dim sharded over several mesh dims into
+    one over their flattened submesh (``_optimize_transform_infos``,
+    torch/distributed/tensor/_redistribute.py), hands the merged step the root mesh, not
+    the flattened one, as a one-word edit would: the merged gather runs over the root's first
+    dim alone. Wrong where torch 2.13 is right, on dims that divide evenly (fault 34 is the
+    uneven ones; issue 49)."""
+
+    caught_by = frozenset({"nested_shards_read_back"})
+    departs_as = frozenset({"FullTensorGivesT"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor import _redistribute
+
+        rooted = _edited(_redistribute._optimize_transform_infos, "mesh=flattened_mesh,", "mesh=device_mesh,")
+        return _replaced((_redistribute, "_optimize_transform_infos", rooted))
+
+
 @contextlib.contextmanager
 def _caches_cleared(replacing):
     """``replacing`` (a context that swaps DTensor's sharding strategies), with DTensor's

@@ -52,6 +52,30 @@ def shards_unevenly(case: TensorCase) -> bool:
 
 
 @dataclass(frozen=True)
+class NestedCase:
+    """A DTensor whose placements may shard one tensor dim over several mesh dims (nested
+    ``Shard(d), Shard(d)``, unevenly where the dim does not divide), on a mesh where the
+    submesh of the mesh dims ``flattened`` was flattened before (as HSDP, fully_shard over
+    the SPMD mesh and a flattened dp group do), or none was."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    flattened: tuple[int, ...]  # consecutive mesh dims, or ()
+    seed: int
+
+    full = TensorCase.full  # the same seeded global tensor as a TensorCase's
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        """A root mesh of its own for each flattening: the ranks keep their meshes, and a
+        flattened submesh, once made, changes how DTensor gathers on its root for good."""
+        tag = "f" + "".join(map(str, self.flattened)) if self.flattened else "m"
+        return tuple(f"{tag}_{i}" for i in range(len(self.mesh_shape)))
+
+
+@dataclass(frozen=True)
 class FSDPCase:
     """A parameter as FSDP1 on a device mesh sees it: the root mesh is (dp, tp) or HSDP's
     (replicate, shard, tp); the parameter is a DTensor on the tp dim with ``tp_placement``,

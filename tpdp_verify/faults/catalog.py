@@ -1367,4 +1367,44 @@ same model with plain buffers wraps; FSDP1 and FSDP2 take the DTensor buffer.
     ),
     repro='f33_ddp_tp_dtensor_buffer.py',
 ),
+Fault(
+    number=34,
+    name='a nested uneven shard gathered over a flattened mesh',
+    title="A dim sharded over two mesh dims unevenly gathers wrong once those dims' flattened submesh exists",
+    what="""A DTensor that shards one dim over two or more mesh dims, `(Shard(d), Shard(d))`, where the dim
+does not divide by their product, is each rank's chunk of a chunk. Gathered back (`full_tensor()`,
+`redistribute` to `Replicate()`, a full state_dict through `get_model_state_dict`) it is right,
+until the submesh of those mesh dims has been flattened. HSDP's and `fully_shard(mesh,
+dp_mesh_dims=...)`'s two dp dims are flattened for them, as any flattened dp group is. Then
+`_optimize_transform_infos` merges the consecutive all-gathers into one over the flattened mesh,
+padded and unpadded as one `Shard(d)` over all those ranks, whose chunk sizes are not the nested
+ones. The values come back misplaced, with zeros where a rank's padding was. It checks that a
+merged reduce-scatter divides evenly; it does not check a merged all-gather. Without the flattened
+submesh torch warns that the gathers run one by one, and says to flatten the mesh dims to make it
+one: the step that brings the fault in.
+
+- **Caught by:** `nested_shards_read_back` (`full_tensor() gives t`, `redistribute to Replicate()
+  gives t`, `a full state_dict gives t`, and a redistribute that replicates one of the nested
+  mesh dims), on a mesh whose flattened submesh holds the nested dims.""",
+    consequence="""a batch, activation or parameter sharded over HSDP's or the SPMD form's two dp dims, with a
+  dim that does not divide over both, reads back wrong on every rank: the logits a user gathers to
+  log or evaluate, and the full state_dict a checkpoint saves, hold zeros and rows moved from where
+  they belong, with no error.""",
+    workaround="""keep such dims divisible by the product of the mesh dims that shard them (pad the batch), or
+  gather one mesh dim at a time: `t.redistribute(mesh, (Shard(d), Replicate()))` then
+  `(Replicate(), Replicate())`, or `t.full_tensor()` on a mesh whose dims were never flattened.""",
+    fix="keep a dim sharded over two mesh dims divisible by their product, or redistribute one mesh dim at a time",
+    entry_points=(),
+    apis=('DTensor.full_tensor', 'DTensor.redistribute',
+          'torch.distributed.checkpoint.state_dict.get_model_state_dict', 'DeviceMesh._flatten'),
+    source=('torch.distributed.tensor._redistribute:_optimize_transform_infos',),
+    shows=(
+        # the merged all-gather, wherever one reads back a dim sharded over the flattened mesh dims
+        Shows(("check:full_tensor-gives-t", "check:redistribute-to-replicate-gives-t",
+               "check:redistribute-replicating-mesh-dim-*-gives-its-blocks", "check:a-full-state_dict-gives-t"),
+              ("nested_shards_read_back",),
+              (("flattened", True), ("nested_unevenly", True))),
+    ),
+    repro='f34_nested_uneven_gather_over_flattened_mesh.py',
+),
 )

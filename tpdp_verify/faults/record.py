@@ -105,7 +105,7 @@ def facts(drawn: dict | None) -> dict:
             _flatten(value, "", out)
         else:
             out[name] = value
-    for derive in (_mesh, _zoo, _ties, _fsdp2, _chunked, _tree):
+    for derive in (_mesh, _zoo, _ties, _fsdp2, _chunked, _nested, _tree):
         for name, value in derive(out, drawn or {}).items():
             out.setdefault(name, value)
     return out
@@ -164,6 +164,18 @@ def _chunked(out: dict, drawn: dict) -> dict:
     sharded = placement is not None and placement.is_shard()
     return {"tp_sharded": sharded,  # a DTensor sharded over tp
             "tp_uneven": sharded and (out.get("shape") or ())[placement.dim] % tp != 0}  # its tp shards are uneven
+
+
+def _nested(out: dict, drawn: dict) -> dict:
+    """A NestedCase's tensor: whether some dim is sharded over two or more mesh dims of more
+    than one rank and does not divide by their product (chunks of chunks, not one chunking)."""
+    if "flattened" not in out or not isinstance(out.get("placements"), tuple):
+        return {}
+    over: dict[int, list[int]] = {}
+    for p, n in zip(out["placements"], out["mesh_shape"]):
+        if p.is_shard() and n > 1:
+            over.setdefault(p.dim, []).append(n)
+    return {"nested_unevenly": any(len(ns) > 1 and out["shape"][d] % math.prod(ns) for d, ns in over.items())}
 
 
 def _tree(out: dict, drawn: dict) -> dict:
