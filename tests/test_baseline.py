@@ -218,7 +218,11 @@ def test_a_broken_transform_blocks_against_the_release(tmp_path):
     out = _gate("--impl", "mutants.ScalesGradientUp", "--baseline", "torch==2.13.0", "--no-install",
                 "-k", "trains_like_one_device or registry_preserved", "--json", str(tmp_path / "gate.json"))
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
-    assert re.search(r"  (NEW|CHANGED) +trains_like_one_device \(world 2\): .*gradient beyond its bound", out.stdout), \
+    # which example the time-bounded shrinking ends on (NEW or CHANGED) depends on the machine's
+    # load, and a finding's line is cut to the terminal: its signature is the record's
+    record = json.loads((tmp_path / "gate.json").read_text())
+    assert any(f["status"] in ("NEW", "CHANGED") and "value:gradient" in f["signature"]
+               for p in record["properties"] if p["name"] == "trains_like_one_device" for f in p["findings"]), \
         out.stdout[-4000:]
     assert re.search(r"against the baseline: \d+ new, \d+ changed, [1-9]\d* fixed, .*: blocks", out.stdout)
     drafted = subprocess.run([sys.executable, "-m", "tpdp_verify", "report", str(tmp_path / "gate.json")],

@@ -109,7 +109,8 @@ def test_the_readmes_sample_of_make_demo_is_what_the_gate_prints(torch_gate):
     shown = [line for line in sample if line.strip() not in ("", "...") and "~/" not in line]
 
     def numbers_aside(line: str) -> str:
-        return re.sub(r"\d+(\.\d+)?", "#", line)
+        # the budget's verdict is a number's too: a loaded machine (two test workers) takes longer
+        return re.sub(r"\d+(\.\d+)?", "#", line.replace(", OVER BUDGET)", ")"))
 
     printed = {numbers_aside(line) for line in torch_gate[0].stdout.splitlines()}
     assert len(shown) >= 8 and [x for x in shown if numbers_aside(x) not in printed] == []

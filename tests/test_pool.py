@@ -361,3 +361,19 @@ def test_a_death_that_only_the_ranks_history_causes_is_judged_on_fresh_ranks(poo
     with pytest.raises(RankDied):  # dies on fresh ranks too: its own death
         on_fresh_ranks(lambda: pool.run(rank_fns.die_on, 2, "segfault"), history=history)
     assert len(history) == 1
+
+
+def test_the_fork_server_starts_under_a_temp_dir_too_long_for_its_socket(tmp_path):
+    """A TMPDIR of 90 characters and more (a CI job's, pytest's nested temp dirs under
+    xdist) once left no room for the fork server's socket path: an internal error, 'AF_UNIX
+    path too long', before any rank started. Its directory goes in /tmp then, and at exit."""
+    import subprocess
+    import sys
+
+    long = tmp_path / ("d" * 90)
+    long.mkdir()
+    code = "from tpdp_verify.ranks import pool; pool._start_server(pool._context()); print('started')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(long)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "started", out.stderr[-2000:]
+    assert list(long.iterdir()) == []

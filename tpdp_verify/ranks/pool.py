@@ -96,6 +96,7 @@ def _start_server(ctx) -> None:
 
     if ctx.get_start_method() != "forkserver" or forkserver._forkserver._forkserver_pid is not None:
         return
+    _short_socket_dir()
     with _this_sys_path():
         try:
             saved = [os.dup(fd) for fd in (0, 1, 2)]
@@ -112,6 +113,27 @@ def _start_server(ctx) -> None:
                 os.dup2(old, fd)
                 os.close(old)
             os.close(null)
+
+
+# An AF_UNIX socket's path holds at most 107 bytes; the fork server's is
+# TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, 33 bytes past TMPDIR.
+_SOCKET_PATH_MAX, _SOCKET_PAST_TMPDIR = 107, 33
+
+
+def _short_socket_dir() -> None:
+    """Where TMPDIR is too long for the fork server's socket (a CI job's, pytest's nested
+    temp dirs), multiprocessing's own temp dir (it holds the socket, and goes at exit) is
+    made in the system's default instead, /tmp: binding the socket would fail."""
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) + _SOCKET_PAST_TMPDIR <= _SOCKET_PATH_MAX or not os.access("/tmp", os.W_OK):
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        util.get_temp_dir()  # made once a process, and kept: the socket goes there
+    finally:
+        tempfile.tempdir = saved
 
 
 @contextlib.contextmanager
