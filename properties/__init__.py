@@ -22,7 +22,7 @@ from tpdp_verify.properties.large_dp import (
     large_dp_trains_like_one_device,
     large_dp_trains_like_plain_dp,
 )
-from tpdp_verify.properties.layouts import nested_shards_read_back
+from tpdp_verify.properties.layouts import fused_projections_read_back, nested_shards_read_back
 from tpdp_verify.properties.losses import losses_train_like_one_device
 from tpdp_verify.properties.registry import (
     ignored_params_untouched,
@@ -41,7 +41,7 @@ from tpdp_verify.properties.wiring import miswiring_refused_or_exact
 # The transform's structure (and TP's own registry, DTensor's nested layouts), then training (miswired too; the DP
 # that large models train with), then checkpoints, then FSDP1's extension.
 ALL = (flatten_roundtrip, paths_resolve, registry_preserved, ignored_params_untouched, tp_keeps_requires_grad,
-       nested_shards_read_back,
+       nested_shards_read_back, fused_projections_read_back,
        trains_like_one_device, trains_like_plain_ddp, entry_points_train_like_one_device, losses_train_like_one_device,
        miswiring_refused_or_exact, large_dp_trains_like_one_device, large_dp_trains_like_plain_dp,
        state_dict_like_unsharded, entry_points_state_dict_like_unsharded,

@@ -1,21 +1,36 @@
-"""Nested shards read back: a DTensor that shards one dim over several mesh dims gives back
-what it holds, by every way a user reads it.
+"""DTensor layouts read back: a DTensor gives back what it holds, by every way a user reads it
+(its shard, full_tensor, redistribute, a full state_dict, a DCP checkpoint), on the layouts
+the DP entry points build around TP.
+
+Nested shards: a DTensor that shards one dim over several mesh dims.
 
 HSDP and fully_shard over the SPMD mesh shard over two dp dims and flatten them into one
 submesh; a batch or a parameter dim that does not divide over both is nested and uneven,
 ``Shard(d), Shard(d)``. What DTensor gathers, redistributes and hands a full state_dict is
 then what every rank trains on, logs and checkpoints. The transform is not called: this
 judges DTensor itself, on the layouts the DP entry points build around it.
+
+Fused projections: a weight whose rows concatenate parts (gate_up, qkv), sharded per part
+over tp so that each rank holds a block of every part (``_StridedShard``), then FSDP2 over
+dp, checkpointed with DCP and loaded back onto its own layout, a plain tensor and another
+mesh.
 """
 
 from __future__ import annotations
 
+import math
+import shutil
+import tempfile
+
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
-from tpdp_verify.cases.tensors import NestedCase
+from tpdp_verify import signature
+from tpdp_verify.cases.tensors import FusedCase, NestedCase
 from tpdp_verify.judging.verdict import Verdict
-from tpdp_verify.properties.strategies import nested_cases
+from tpdp_verify.properties.roundtrip import all_ranks
+from tpdp_verify.properties.strategies import fused_cases, nested_cases
 from tpdp_verify.ranks.observation import Check, observing
 from tpdp_verify.runner.property import tpdp_property
 
@@ -75,8 +90,6 @@ def _gradient_check(case: NestedCase, t, at: list[int]) -> Check:
     """d(sum(full_tensor(t) * w))/dt, w seeded, is w's block on each rank. Computed only where
     full_tensor() has t's shape on every rank (a product of other shapes raises, and the
     ranks must run the backward together); else the check fails, saying so."""
-    from tpdp_verify.properties.roundtrip import all_ranks
-
     name = "a gradient through full_tensor() reaches the shard"
     weight = torch.randn(case.shape, generator=torch.Generator().manual_seed(case.seed + 1),
                          dtype=torch.float64).to(case.dtype)
@@ -107,3 +120,124 @@ def observe_read_back(case: NestedCase, impl_name: str) -> list[Check]:
 def nested_shards_read_back(pool, impl: str, case: NestedCase) -> None:
     """A DTensor sharding one dim over several mesh dims, flattened or not, reads back as t: its shard, full_tensor, redistribute, a gradient, a full state_dict."""
     Verdict.of_ranks(pool.run(observe_read_back, case, impl)).raise_if_failed()
+
+
+# -- fused projections ---------------------------------------------------------------------
+
+
+def fused_weight(full: torch.Tensor, case: FusedCase, mesh):
+    """``full`` sharded per part over ``mesh`` (1-D), as a user shards a fused projection with
+    public DTensor calls: viewed (parts, rows, cols), Shard(1), flattened back."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.unflatten(0, (case.parts, case.rows)), mesh, [Shard(1)]).flatten(0, 1)
+
+
+def part_blocks(full: torch.Tensor, case: FusedCase, rank: int, ranks: int) -> torch.Tensor:
+    """The rank's block of each part (``torch.chunk``'s sizes), concatenated in part order."""
+    return torch.cat([block(part, (ranks,), [Shard(0)], [rank]) for part in full.unflatten(0, (case.parts, case.rows))])
+
+
+def _ran(name: str, call) -> tuple[bool, list[Check]]:
+    """(whether ``call()`` returned, no check) or (False, a failed check naming what it raised).
+    DCP raises alike on every rank (its coordinator gathers the errors), as a
+    CheckpointException, which is not an Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        call()
+        return True, []
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the exception is the verdict
+        said = str(exc).strip().splitlines()
+        where = signature.innermost(exc)
+        return False, [Check(name, False, f"{type(exc).__name__}: {said[-1] if said else ''}{where}",
+                             signature.raised(exc), where=where)]
+
+
+def _tiles(chunks, shape: tuple[int, ...]) -> Check:
+    """A checkpoint's chunks of a tensor cover it once: no two overlap, and their volumes add
+    up to its own (so no gap)."""
+    import math
+
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+    overlapping = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                   if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(*a, *b))
+                   and all(s for s in a[1] + b[1])]
+    volume = sum(math.prod(s) for _, s in boxes)
+    return Check("its checkpoint's chunks tile w", not overlapping and volume == math.prod(shape),
+                 f"chunks (offsets, sizes) {boxes} of {shape}: "
+                 + (f"{overlapping[0][0]} and {overlapping[0][1]} overlap" if overlapping
+                    else f"they hold {volume} elements of {math.prod(shape)}"))
+
+
+def _holding(weight) -> nn.Module:
+    holder = nn.Module()
+    holder.weight = nn.Parameter(weight)
+    return holder
+
+
+def _laid_out(full: torch.Tensor, case: FusedCase, mesh) -> nn.Module:
+    """A module holding ``full`` as the case lays it out: per part over tp, FSDP2 over dp."""
+    holder = _holding(fused_weight(full, case, mesh["tp"]))
+    if case.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(holder, mesh=mesh["dp"])
+    return holder
+
+
+def fused_checks(case: FusedCase, mesh, directory: str) -> list[Check]:
+    """On every rank: the case's weight laid out, read back, saved with DCP and loaded onto
+    its own layout, into a plain tensor, and onto a mesh of every rank on tp."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from tpdp_verify.ranks.rank import device_mesh
+
+    full, tp = case.full(), mesh["tp"]
+    shard = fused_weight(full, case, tp).to_local()
+    checks = [same("the shard holds a block of each part", shard,
+                   part_blocks(full, case, tp.get_local_rank(), tp.size()))]
+    holder = _laid_out(full, case, mesh)
+    checks += [same("full_tensor() gives w", holder.weight.full_tensor().detach(), full),
+                same("a full state_dict gives w", get_model_state_dict(
+                    holder, options=StateDictOptions(full_state_dict=True))["weight"].detach(), full)]
+    saved, failed = _ran("DCP saves it", lambda: dcp.save(get_model_state_dict(holder), checkpoint_id=directory))
+    checks += failed
+    if not all_ranks(saved):
+        return checks
+    checks.append(_tiles(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata["weight"].chunks,
+                         case.shape))
+    plain = {"weight": torch.zeros(case.shape, dtype=case.dtype)}
+    loaded, failed = _ran("DCP loads it into a plain tensor", lambda: dcp.load(plain, checkpoint_id=directory))
+    checks += failed or [same("DCP loads it into a plain tensor", plain["weight"], full)]
+    zeros = torch.zeros(case.shape, dtype=case.dtype)
+    for name, fresh in (("its own layout", _laid_out(zeros, case, mesh)),
+                        ("a mesh of every rank on tp", _holding(fused_weight(
+                            zeros, case, device_mesh((math.prod(case.mesh_shape),), ("every",)))))):
+        state = get_model_state_dict(fresh)
+        loaded, failed = _ran(f"DCP loads it onto {name}", lambda: (dcp.load(state, checkpoint_id=directory),
+                                                                    set_model_state_dict(fresh, state)))
+        checks += failed or [same(f"DCP loads it onto {name}", fresh.weight.full_tensor().detach(), full)]
+    return checks
+
+
+@observing
+def observe_fused(case: FusedCase, impl_name: str, directory: str) -> list[Check]:
+    """On every rank: the fused weight read back and checkpointed, under the implementation."""
+    from tpdp_verify.impls.select import installed, load
+    from tpdp_verify.ranks.rank import device_mesh
+
+    mesh = device_mesh(case.mesh_shape, ("dp", "tp"))
+    with installed(load(impl_name)):
+        return fused_checks(case, mesh, directory)
+
+
+@tpdp_property(min_world_size=2, case=fused_cases)
+def fused_projections_read_back(pool, impl: str, case: FusedCase) -> None:
+    """A fused projection sharded per part over tp, with FSDP2 over dp or not, reads back as w and checkpoints with DCP: its shard, full_tensor, a full state_dict, DCP's chunks, loads onto its own layout, a plain tensor and another mesh."""
+    directory = tempfile.mkdtemp(prefix="tpdp-checkpoint-")  # one the ranks share, empty
+    try:
+        Verdict.of_ranks(pool.run(observe_fused, case, impl, directory)).raise_if_failed()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

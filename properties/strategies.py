@@ -12,7 +12,7 @@ import torch
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from tpdp_verify.cases.tensors import FSDPCase, NestedCase, TensorCase
+from tpdp_verify.cases.tensors import FSDPCase, FusedCase, NestedCase, TensorCase
 
 TENSOR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -107,3 +107,27 @@ def nested_cases(draw, world_size: int) -> NestedCase:
         flattened=draw(st.sampled_from(runs)) if draw(st.integers(0, 3)) < 3 else (),
         seed=draw(st.integers(0, 2**16)),
     )
+
+
+# -- fused projections --------------------------------------------------------------------
+
+
+@st.composite
+def fused_cases(draw, world_size: int) -> FusedCase:
+    """FusedCases on each (dp, tp) mesh of ``world_size`` ranks with tp real: 2 or 3 parts
+    three draws in four (1, an unfused weight, else); rows per part that divide over tp
+    (parts that do not, DTensor's view refuses: the exclusion fused_parts_uneven_over_tp);
+    two columns or more; FSDP2 over dp or not."""
+    meshes = [(world_size // t, t) for t in range(2, world_size + 1) if world_size % t == 0]
+    mesh = draw(st.sampled_from(meshes))
+    tp = mesh[1]
+    return FusedCase(
+        mesh_shape=mesh,
+        parts=draw(st.sampled_from((2, 3))) if draw(st.integers(0, 3)) < 3 else 1,
+        rows=tp * draw(st.integers(1, 2)),
+        cols=draw(st.integers(2, 4)),
+        fsdp=draw(st.booleans()),
+        dtype=draw(st.sampled_from(TENSOR_DTYPES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+

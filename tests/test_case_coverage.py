@@ -396,3 +396,25 @@ def test_the_ci_profile_reaches_each_nested_layout_where_the_release_reads_it_ba
                 answer = release_answers()[memo.key(prop.name, ws, args)]
                 (failing if answer.signature else passing).update(nested_values(args["case"]))
     assert passing[value] > 0, f"no ci case {value} that torch 2.13.0 reads back exactly ({failing[value]} it fails)"
+
+
+FUSED = [f"parts={p} fsdp={f}" for p in (1, 2, 3) for f in (False, True)]
+
+
+@pytest.mark.parametrize("value", FUSED)
+def test_the_ci_profile_reaches_each_fused_layout(value):
+    """fused_projections_read_back at ci meets each number of parts, with FSDP2 over dp and
+    without (issue 49); the unfused weight (1 part), which torch 2.13.0 reads back and
+    checkpoints exactly, on a case it passes, so that a regression of DCP or FSDP2 there is
+    NEW (faults 35 and 36 fail the fused ones)."""
+    from tpdp_verify.properties.layouts import fused_projections_read_back as prop
+
+    passing, failing = Counter(), Counter()
+    for ws in CI.world_sizes:
+        for args in drawn_args(prop, ws):
+            case = args["case"]
+            answer = release_answers()[memo.key(prop.name, ws, args)]
+            (failing if answer.signature else passing)[f"parts={case.parts} fsdp={case.fsdp}"] += 1
+    assert passing[value] + failing[value] > 0, f"no ci case {value}"
+    if value.startswith("parts=1"):
+        assert passing[value] > 0, f"no ci case {value} that torch 2.13.0 passes ({failing[value]} it fails)"

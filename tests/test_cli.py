@@ -22,6 +22,7 @@ from tpdp_verify.properties import (
     entry_points_checkpoint_resume,
     entry_points_state_dict_like_unsharded,
     entry_points_train_like_one_device,
+    fused_projections_read_back,
     losses_train_like_one_device,
     tp_keeps_requires_grad,
 )
@@ -36,10 +37,11 @@ ALL = tuple(p for p in ALL if p.min_world_size <= 2)  # what the smoke profile r
 # transform, only torch's entry points' own departures remain, and TP's own (fault 7).
 DRAWN_BY_LUCK = (chunk_dtensor_layout, all_gather_dtensor_full, chunk_tensor_metadata)
 # torch's own departures, outside the transform: TP's, the entry points', and loss_parallel's
-# (fault 15: a KL loss's gradients under loss_parallel). FSDP2's fault 16 (TP's partial
+# (fault 15: a KL loss's gradients under loss_parallel), and DCP's and FSDP2's over a fused
+# projection's per-part shards (faults 35, 36). FSDP2's fault 16 (TP's partial
 # gradients summed in the compute dtype) the reference fixes, as its contract says.
 REFERENCE_DEPARTS = (tp_keeps_requires_grad, entry_points_train_like_one_device, losses_train_like_one_device,
-                     entry_points_state_dict_like_unsharded, entry_points_checkpoint_resume)
+                     entry_points_state_dict_like_unsharded, entry_points_checkpoint_resume, fused_projections_read_back)
 
 
 def cli(command, *args, cwd=None):

@@ -16,6 +16,7 @@ from tpdp_verify.properties import ALL, EXCLUSIONS
 from tpdp_verify.properties.large_dp import large_dp_cases
 from tpdp_verify.properties.losses import CROSS_ENTROPY, SMOOTHING, loss_cases, losses
 from tpdp_verify.properties.modules import module_trees
+from tpdp_verify.properties.strategies import fused_cases
 from tpdp_verify.properties.training import train_cases
 from tpdp_verify.runner.suite import load as load_suite
 
@@ -69,6 +70,8 @@ UNFILTERED = {
     "mean_under_loss_parallel_on_a_2d_mesh": lambda ws: _redraw(
         loss_cases(ws).filter(lambda c: c.model == "lm_head"), "loss",
         lambda c: st.sampled_from(REDUCTIONS).map(lambda r: replace(c.loss, reduction=r))),
+    "fused_parts_uneven_over_tp": lambda ws: _redraw(
+        fused_cases(ws), "rows", lambda c: st.integers(1, 2 * c.mesh_shape[-1] + 1)),
 }
 
 IDS = [x.name for x in EXCLUSIONS]
@@ -145,7 +148,8 @@ def test_summary_and_records():
 # training properties search it; "refused", torch raises under loss_parallel() where the
 # same loss over replicated logits trains (what its docs say it does not support);
 # "rounds", the option alone departs from one device in full precision beyond the
-# float32 bound, so that run earns no bound for it. The other
+# float32 bound, so that run earns no bound for it; "the view refuses", DTensor raises
+# building the layout by the public route, so there is nothing to read back. The other
 # exclusions (SCOPE) say what tpdp-verify leaves to another property; their tests below
 # show that the case left out has nothing for the property to check, or that the other
 # property searches it.
@@ -162,6 +166,7 @@ CLAIMS = {
     "mean_under_loss_parallel_on_a_2d_mesh": "refused",
     "losses_through_replicate_and_fsdp1": "the entry point's",
     "replicate_fsdp_on_a_2d_dp_mesh": "own",
+    "fused_parts_uneven_over_tp": "the view refuses",
 }
 BY_NAME = {x.name: x for x in EXCLUSIONS}
 
@@ -185,6 +190,13 @@ def test_the_reason_holds_on_a_case_it_leaves_out(tpdp_pools, name):
     from tpdp_verify.oracles.verdicts import verdict_one_device
 
     case, claim, pool = _representative(name), CLAIMS[name], tpdp_pools.get(4)
+    if claim == "the view refuses":
+        from tpdp_verify.errors import RankFailed
+        from tpdp_verify.properties.layouts import observe_fused
+
+        with pytest.raises(RankFailed, match="would remove or reshape sharded dimension"):
+            pool.run(observe_fused, case, "torch", "")
+        return
     if claim == "rounds":
         plain, _ = assemble(case, pool.run(observe_plain_ddp, case))
         verdict = judge_training(_without_rounding(case), plain, *oracle(case))

@@ -76,6 +76,29 @@ class NestedCase:
 
 
 @dataclass(frozen=True)
+class FusedCase:
+    """A fused projection's weight (``parts`` blocks of ``rows`` rows concatenated: gate_up's
+    2, qkv's 3; 1 is an unfused one) sharded per part over tp on a (dp, tp) mesh, each
+    rank a block of every part (``_StridedShard``), as ``distribute_tensor`` of the weight
+    viewed (parts, rows, cols) on Shard(1) then flattened makes it; ``fsdp``: then
+    ``fully_shard`` over dp."""
+
+    mesh_shape: tuple[int, int]
+    parts: int
+    rows: int
+    cols: int
+    fsdp: bool
+    dtype: torch.dtype
+    seed: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.parts * self.rows, self.cols)
+
+    full = TensorCase.full  # the same seeded global tensor as a TensorCase's
+
+
+@dataclass(frozen=True)
 class FSDPCase:
     """A parameter as FSDP1 on a device mesh sees it: the root mesh is (dp, tp) or HSDP's
     (replicate, shard, tp); the parameter is a DTensor on the tp dim with ``tp_placement``,

@@ -1407,4 +1407,66 @@ one: the step that brings the fault in.
     ),
     repro='f34_nested_uneven_gather_over_flattened_mesh.py',
 ),
+Fault(
+    number=35,
+    name='DCP saves a per-part shard as one chunk',
+    title="DCP refuses to save a fused projection sharded per part over tp: each rank's blocks become one chunk, and the chunks overlap",
+    what="""A fused projection (qkv, gate_up: parts of rows concatenated) sharded per part over tp by public
+DTensor calls, the weight viewed `(parts, rows, cols)`, `distribute_tensor` on `Shard(1)`, then
+flattened back, holds a block of every part on each rank (`_StridedShard(0, split_factor=parts)`),
+and `full_tensor()` gives it back. `torch.distributed.checkpoint.save` describes each rank's shard
+by one chunk (`DTensor.__create_chunk_list__`, `_create_chunk_from_dtensor`, from
+`compute_local_shape_and_global_offset`): a contiguous run of rows where the rank holds several
+blocks apart. The chunks then overlap, and the save is refused: `Failed to validate global plan:
+key:... has overlapping chunks`. With FSDP2 over dp on top, its state_dict's DTensors are refused
+alike. The same weight sharded contiguously (`Shard(0)`) saves and loads.
+
+- **Caught by:** `fused_projections_read_back` (`DCP saves it`: the `CheckpointException`).""",
+    consequence="""a model with fused qkv or gate_up projections sharded per part over tp cannot be
+  checkpointed with DCP: the save raises on every rank.""",
+    workaround="""gather the fused weight before saving (`full_tensor()`, or `get_model_state_dict(...,
+  full_state_dict=True)` and `torch.save`), or keep the parts as separate parameters, each
+  sharded contiguously.""",
+    fix="save full tensors (full_state_dict=True) for fused projections, or keep the parts separate parameters",
+    entry_points=('fully_shard',),
+    apis=('torch.distributed.checkpoint.save', 'DTensor.__create_chunk_list__'),
+    source=('torch.distributed.checkpoint.planner_helpers:_create_chunk_from_dtensor',
+            'torch.distributed.tensor._api:DTensor.__create_chunk_list__'),
+    shows=(
+        # a per-part layout's save, with FSDP2 over dp or not
+        Shows(("raised:CheckpointException at torch/distributed/checkpoint/utils.py:inner_func*",),
+              ("fused_projections_read_back",), (("parts", (2, 3)),)),
+    ),
+    repro='f35_dcp_saves_a_per_part_shard_as_one_chunk.py',
+),
+Fault(
+    number=36,
+    name='FSDP2 over a per-part tp shard',
+    title="fully_shard over a fused projection sharded per part on tp: full_tensor() and the state_dict hold its rows out of place",
+    what="""A fused projection sharded per part over tp (`_StridedShard(0, split_factor=parts)`, as the
+public view route makes it) reads back right. `fully_shard` over dp then gives the parameter the
+placements `(_StridedShard(0, split_factor=tp), _StridedShard(0, split_factor=parts))`:
+`FSDPParam._init_sharding_spec_tp` strides its dp shard by the number of tp shards, as for a
+contiguous `Shard(0)` on tp, and the layout it declares is not the one the ranks hold.
+`full_tensor()`, and so every full state_dict and gathered checkpoint, hold the rows out of
+place; the forward, which runs on the local shards, is unaffected.
+
+- **Caught by:** `fused_projections_read_back` (`full_tensor() gives w`, `a full state_dict gives w`)
+  with FSDP2 over dp.""",
+    consequence="""a model with fused projections sharded per part over tp and trained with FSDP2 trains
+  right, but every full state_dict, `full_tensor()` and export of it holds the fused rows out of
+  place: a checkpoint loaded on one device is a different model.""",
+    workaround="""keep the parts as separate parameters, each sharded contiguously (`ColwiseParallel`), or
+  shard the fused weight contiguously and reorder its rows so that each rank's contiguous block
+  holds its block of each part.""",
+    fix="keep fused parts as separate parameters under FSDP2 + TP",
+    entry_points=('fully_shard',),
+    apis=('torch.distributed.fsdp.fully_shard', 'DTensor.full_tensor'),
+    source=('torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharding_spec_tp',),
+    shows=(
+        Shows(("check:full_tensor-gives-w", "check:a-full-state_dict-gives-w"),
+              ("fused_projections_read_back",), (("parts", (2, 3)), ("fsdp", True))),
+    ),
+    repro='f36_fsdp2_over_a_per_part_tp_shard.py',
+),
 )
