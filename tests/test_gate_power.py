@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tpdp_verify.properties import (checkpoint_resumes, chunk_tensor_metadata, entry_points_train_like_one_device,
+                                    fused_projections_read_back,
                                     flatten_roundtrip, ignored_params_untouched, losses_train_like_one_device,
                                     miswiring_refused_or_exact, nested_shards_read_back, trains_like_one_device,
                                     trains_like_plain_ddp)
@@ -129,6 +130,15 @@ def test_a_merged_gather_on_the_wrong_mesh_is_new_where_the_release_reads_nested
     torch 2.13 reads back exactly (the even ones; fault 34 is the uneven ones; issue 49)."""
     outcome = judged(nested_shards_read_back, tpdp_pools.get(4), torch_mutants.MergedGatherOnTheRootMesh)
     assert new(outcome, "check:full_tensor-gives-t"), outcome.findings
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_chunk_of_swapped_sizes_and_offsets_is_new_where_the_release_checkpoints(tpdp_pools):
+    """DCP's chunk of a DTensor's shard with its sizes and offsets swapped: NEW at ci on the
+    unfused weights torch 2.13 checkpoints exactly (fault 35 fails the fused ones; issue 49)."""
+    outcome = judged(fused_projections_read_back, tpdp_pools.get(2), torch_mutants.ChunkSizesAndOffsetsSwapped)
+    assert new(outcome), outcome.findings
+    assert all(f.drawn["case"].parts == 1 for f in new(outcome)), outcome.findings
 
 
 @pytest.mark.timeout(600)

@@ -610,6 +610,25 @@ class MergedGatherOnTheRootMesh(TorchReference):
         return _replaced((_redistribute, "_optimize_transform_infos", rooted))
 
 
+class ChunkSizesAndOffsetsSwapped(TorchReference):
+    """DCP's chunk of a DTensor's local shard (``_create_chunk_from_dtensor``,
+    torch/distributed/checkpoint/planner_helpers.py) takes its sizes for its offsets and its
+    offsets for its sizes, as a swapped unpacking of ``compute_local_shape_and_global_offset``
+    would: wrong where torch 2.13 checkpoints exactly, an unfused weight (fault 35 is the
+    fused ones; issue 49)."""
+
+    caught_by = frozenset({"fused_projections_read_back"})
+    departs_as = frozenset({"RaisesCheckpointException"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.checkpoint import planner_helpers
+
+        swapped = _edited(planner_helpers._create_chunk_from_dtensor, "sizes, offsets = compute_local_shape",
+                          "offsets, sizes = compute_local_shape")
+        return _replaced((planner_helpers, "_create_chunk_from_dtensor", swapped))
+
+
 @contextlib.contextmanager
 def _caches_cleared(replacing):
     """``replacing`` (a context that swaps DTensor's sharding strategies), with DTensor's
