@@ -115,19 +115,18 @@ def nested_cases(draw, world_size: int) -> NestedCase:
 @st.composite
 def fused_cases(draw, world_size: int) -> FusedCase:
     """FusedCases on each (dp, tp) mesh of ``world_size`` ranks with tp real: 2 or 3 parts
-    three draws in four (1, an unfused weight, else); rows per part that divide over tp
-    (parts that do not, DTensor's view refuses: the exclusion fused_parts_uneven_over_tp);
-    two columns or more; FSDP2 over dp or not."""
+    three draws in four (1, an unfused weight, else); rows per part that divide over tp,
+    do not, and are fewer than its ranks, but for parts of one row and more than one column,
+    which DTensor's view refuses (the exclusion fused_parts_of_one_row); FSDP2 over dp or not."""
     meshes = [(world_size // t, t) for t in range(2, world_size + 1) if world_size % t == 0]
     mesh = draw(st.sampled_from(meshes))
-    tp = mesh[1]
+    rows = draw(st.integers(1, 2 * mesh[1] + 1))
     return FusedCase(
         mesh_shape=mesh,
         parts=draw(st.sampled_from((2, 3))) if draw(st.integers(0, 3)) < 3 else 1,
-        rows=tp * draw(st.integers(1, 2)),
-        cols=draw(st.integers(2, 4)),
+        rows=rows,
+        cols=1 if rows == 1 else draw(st.integers(1, 4)),
         fsdp=draw(st.booleans()),
         dtype=draw(st.sampled_from(TENSOR_DTYPES)),
         seed=draw(st.integers(0, 2**16)),
     )
-

@@ -1469,4 +1469,32 @@ place; the forward, which runs on the local shards, is unaffected.
     ),
     repro='f36_fsdp2_over_a_per_part_tp_shard.py',
 ),
+Fault(
+    number=37,
+    name='per-part view of one-row parts',
+    title="A fused weight of one-row, one-column parts, sharded per part over tp by DTensor's view, gets shards of the wrong shape",
+    what="""Sharding a fused projection per part over tp by public DTensor calls (the weight viewed
+`(parts, rows, cols)`, `distribute_tensor` on `Shard(1)`, flattened back) is right for any number
+of rows per part but one. With parts of one row, a rank past the row should hold a `(0, cols)`
+shard; with one column the flatten's sharding propagation (`_view_ops`) gives it a
+`(parts, 0)` one, so the DTensor's shards do not tile its shape, and FSDP2's gathers over it
+hang; with more columns the view is refused (the exclusion `fused_parts_of_one_row`).
+
+- **Caught by:** `fused_projections_read_back` (`the shard holds a block of each part`), on parts of
+  one row and one column.""",
+    consequence="""a fused weight whose parts are single rows (a per-head scalar, a one-wide gate) sharded
+  per part over tp holds shards that contradict its layout: `full_tensor()`, FSDP2 and
+  checkpoints over it hang or read wrong.""",
+    workaround="""shard such a weight contiguously (`Shard(0)`) or replicate it: parts of one row have
+  nothing to split per part.""",
+    fix="replicate or shard contiguously a fused weight whose parts are one row",
+    entry_points=(),
+    apis=('DTensor.flatten', 'DTensor.view'),
+    source=('torch.distributed.tensor._ops._view_ops:propagate_shape_and_sharding',),
+    shows=(
+        Shows(("check:the-shard-holds-a-block-of-each-part",), ("fused_projections_read_back",),
+              (("rows", (1,)), ("cols", (1,)))),
+    ),
+    repro='f37_view_of_parts_of_one_row.py',
+),
 )
