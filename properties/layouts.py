@@ -157,8 +157,6 @@ def _ran(name: str, call) -> tuple[bool, list[Check]]:
 def _tiles(chunks, shape: tuple[int, ...]) -> Check:
     """A checkpoint's chunks of a tensor cover it once: no two overlap, and their volumes add
     up to its own (so no gap)."""
-    import math
-
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
     overlapping = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]
                    if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(*a, *b))
@@ -214,14 +212,14 @@ def fused_checks(case: FusedCase, mesh, directory: str) -> list[Check]:
     checks.append(_tiles(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata["weight"].chunks,
                          case.shape))
     plain = {"weight": torch.zeros(case.shape, dtype=case.dtype)}
-    loaded, failed = _ran("DCP loads it into a plain tensor", lambda: dcp.load(plain, checkpoint_id=directory))
+    _, failed = _ran("DCP loads it into a plain tensor", lambda: dcp.load(plain, checkpoint_id=directory))
     checks += failed or [same("DCP loads it into a plain tensor", plain["weight"], full)]
     zeros = torch.zeros(case.shape, dtype=case.dtype)
     for name, fresh in (("its own layout", _laid_out(zeros, case, mesh)),
                         ("a mesh of every rank on tp", _holding(fused_weight(
                             zeros, case, device_mesh((math.prod(case.mesh_shape),), ("every",)))))):
         state = get_model_state_dict(fresh)
-        loaded, failed = _ran(f"DCP loads it onto {name}", lambda: (dcp.load(state, checkpoint_id=directory),
+        _, failed = _ran(f"DCP loads it onto {name}", lambda: (dcp.load(state, checkpoint_id=directory),
                                                                     set_model_state_dict(fresh, state)))
         checks += failed or [same(f"DCP loads it onto {name}", fresh.weight.full_tensor().detach(), full)]
     return checks
