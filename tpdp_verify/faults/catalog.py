@@ -1378,7 +1378,8 @@ until the submesh of those mesh dims has been flattened. HSDP's and `fully_shard
 dp_mesh_dims=...)`'s two dp dims are flattened for them, as any flattened dp group is. Then
 `_optimize_transform_infos` merges the consecutive all-gathers into one over the flattened mesh,
 padded and unpadded as one `Shard(d)` over all those ranks, whose chunk sizes are not the nested
-ones. The values come back misplaced, with zeros where a rank's padding was. It checks that a
+ones. Where they differ, the values come back misplaced, with zeros where a rank's padding was
+(not every uneven dim: the ci draw holds uneven ones it reads back exactly). It checks that a
 merged reduce-scatter divides evenly; it does not check a merged all-gather. Without the flattened
 submesh torch warns that the gathers run one by one, and says to flatten the mesh dims to make it
 one: the step that brings the fault in.
@@ -1387,7 +1388,7 @@ one: the step that brings the fault in.
   gives t`, `a full state_dict gives t`, and a redistribute that replicates one of the nested
   mesh dims), on a mesh whose flattened submesh holds the nested dims.""",
     consequence="""a batch, activation or parameter sharded over HSDP's or the SPMD form's two dp dims, with a
-  dim that does not divide over both, reads back wrong on every rank: the logits a user gathers to
+  dim that does not divide over both, can read back wrong on every rank: the logits a user gathers to
   log or evaluate, and the full state_dict a checkpoint saves, hold zeros and rows moved from where
   they belong, with no error.""",
     workaround="""keep such dims divisible by the product of the mesh dims that shard them (pad the batch), or
@@ -1449,13 +1450,14 @@ placements `(_StridedShard(0, split_factor=tp), _StridedShard(0, split_factor=pa
 `FSDPParam._init_sharding_spec_tp` strides its dp shard by the number of tp shards, as for a
 contiguous `Shard(0)` on tp, and the layout it declares is not the one the ranks hold.
 `full_tensor()`, and so every full state_dict and gathered checkpoint, hold the rows out of
-place; the forward, which runs on the local shards, is unaffected.
+place, as does a gradient's `full_tensor()`; a forward, which runs on the gathered local shards,
+gave one device's output where it was tried (outside the property).
 
 - **Caught by:** `fused_projections_read_back` (`full_tensor() gives w`, `a full state_dict gives w`)
   with FSDP2 over dp.""",
-    consequence="""a model with fused projections sharded per part over tp and trained with FSDP2 trains
-  right, but every full state_dict, `full_tensor()` and export of it holds the fused rows out of
-  place: a checkpoint loaded on one device is a different model.""",
+    consequence="""a model with fused projections sharded per part over tp and wrapped with FSDP2: every full
+  state_dict, `full_tensor()` and export of its fused weights holds their rows out of place, with
+  no error; a checkpoint loaded on one device is a different model.""",
     workaround="""keep the parts as separate parameters, each sharded contiguously (`ColwiseParallel`), or
   shard the fused weight contiguously and reorder its rows so that each rank's contiguous block
   holds its block of each part.""",
