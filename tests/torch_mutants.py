@@ -444,6 +444,11 @@ def _replaced(*sites):
             setattr(owner, name, value)
 
 
+def _edit_installed(owner, name: str, old: str, new: str):
+    """``owner.name`` with one edit (``_edited``), installed there for the run (``_replaced``)."""
+    return _replaced((owner, name, _edited(getattr(owner, name), old, new)))
+
+
 class ParallelCrossEntropyGradScales(TorchReference):
     """loss_parallel's ``nll_loss`` backward returns the gradient scaled by 1 + 1e-3: the
     sharded cross entropy's backward, as a regression in its handler would change it
@@ -564,9 +569,8 @@ class WeightsGatheredByTheFlatTarget(TorchReference):
     def patched():
         from torch.distributed.tensor.parallel import loss
 
-        backward = _edited(loss._nll_loss_and_log_softmax_backward, "torch.gather(w, channel_dim, target)",
-                           "torch.gather(w, channel_dim, safe_target)")
-        return _replaced((loss, "_nll_loss_and_log_softmax_backward", backward))
+        return _edit_installed(loss, "_nll_loss_and_log_softmax_backward", "torch.gather(w, channel_dim, target)",
+                               "torch.gather(w, channel_dim, safe_target)")
 
 
 class NormLeftPerRank(TorchReference):
@@ -606,8 +610,7 @@ class MergedGatherOnTheRootMesh(TorchReference):
     def patched():
         from torch.distributed.tensor import _redistribute
 
-        rooted = _edited(_redistribute._optimize_transform_infos, "mesh=flattened_mesh,", "mesh=device_mesh,")
-        return _replaced((_redistribute, "_optimize_transform_infos", rooted))
+        return _edit_installed(_redistribute, "_optimize_transform_infos", "mesh=flattened_mesh,", "mesh=device_mesh,")
 
 
 class ChunkSizesAndOffsetsSwapped(TorchReference):
@@ -624,9 +627,8 @@ class ChunkSizesAndOffsetsSwapped(TorchReference):
     def patched():
         from torch.distributed.checkpoint import planner_helpers
 
-        swapped = _edited(planner_helpers._create_chunk_from_dtensor, "sizes, offsets = compute_local_shape",
-                          "offsets, sizes = compute_local_shape")
-        return _replaced((planner_helpers, "_create_chunk_from_dtensor", swapped))
+        return _edit_installed(planner_helpers, "_create_chunk_from_dtensor", "sizes, offsets = compute_local_shape",
+                               "offsets, sizes = compute_local_shape")
 
 
 @contextlib.contextmanager
