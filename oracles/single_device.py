@@ -25,6 +25,7 @@ class Oracle(NamedTuple):
 def run(case: TrainCase, dtype: torch.dtype | None = None, capture: bool = False) -> Trace:
     """The case on one device: every sample of every global batch, no wrapper."""
     model = build(case, dtype)
+    substituted = float64_kernels(model) if dtype == torch.float64 else []
     handles = dict(model.named_parameters(remove_duplicate=False))
     trace = train(case, Run(model, model, slice(None), handles=handles),
                   lambda: make_optimizer(case, model.parameters()), capture, dtype)
@@ -34,7 +35,25 @@ def run(case: TrainCase, dtype: torch.dtype | None = None, capture: bool = False
                          "tpdp-verify compares the sharded run with that one, so make it train unsharded first")
     if trace.error:  # the oracle is the fixed point: if it cannot train, the case is ours to fix
         raise RuntimeError(f"the single-device oracle failed on {case!r}: {trace.error}")
+    trace.substituted = substituted
     return trace
+
+
+def float64_kernels(model) -> list[str]:
+    """Where the model runs a kernel that has no float64 path, the same math in another
+    kernel its library offers, for the float64 run alone; what was put in whose place (the
+    report says it). The ranks run the model as it comes.
+
+    transformers' MoE experts go through ``grouped_mm`` (no float64 kernel) unless told
+    ``set_experts_implementation("eager")``: a loop over the experts, each a plain matmul."""
+    said = []
+    config = getattr(model, "config", None)
+    experts = getattr(config, "_experts_implementation", None)
+    if experts not in (None, "eager") and callable(getattr(model, "set_experts_implementation", None)):
+        model.set_experts_implementation("eager")
+        said.append(f"the MoE experts ran eagerly (experts_implementation 'eager' for {experts!r}, which "
+                    "has no float64 kernel)")
+    return said
 
 
 @functools.lru_cache(maxsize=32)  # shrinking replays a case many times

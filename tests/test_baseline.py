@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tpdp_verify import signature
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.errors import UsageError
 from tpdp_verify.fixtures.zoo import Size

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tpdp_verify.cases.training import FSDP1_FLAT, FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, FSDP2Options, Size, TrainCase
+from tpdp_verify.cases.training import FSDP1_FLAT, FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, TrainCase
 from tpdp_verify.judging.verdict import assemble, judge_training
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
 from tpdp_verify.oracles.single_device import oracle

@@ -23,6 +23,7 @@ LAYERS = (
     ("tpdp_verify.fixtures",),
     ("tpdp_verify.impls",),
     ("tpdp_verify.ranks",),
+    ("tpdp_verify.integrations",),  # the stacks users bring, run on the ranks as they come
     ("tpdp_verify.judging",),
     ("tpdp_verify.oracles",),
     ("tpdp_verify.runner",),
@@ -85,15 +86,23 @@ def test_nothing_in_the_library_imports_the_suite():
 EXTRAS = {"transformers", "torchtitan"}  # the libraries users bring (pyproject's optional dependencies)
 
 
+INTEGRATIONS = "tpdp_verify.integrations."  # where an extra is imported: on the ranks of a run that names it
+
+
 def test_the_library_never_imports_an_optional_extra():
     """A user's model module imports transformers; tpdp-verify only runs it (tpdp_verify.styles
-    maps transformers' style strings without importing it)."""
+    maps transformers' style strings without importing it). Only an integration module
+    (transformers' own stack) imports its library, and nothing of the core imports it."""
     seen = {name: {a.name.split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
                    for a in (node.names if isinstance(node, ast.Import) else [])}
             | {(node.module or "").split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.ImportFrom)} for name, path in MODULES.items()}
     assert "torch" in seen["tpdp_verify.ranks.loop"]  # the walk sees imports
-    offenders = sorted(f"{m} imports {x}" for m, names in seen.items() for x in names & EXTRAS)
+    assert "transformers" in seen[INTEGRATIONS + "transformers"]  # ... and an integration's library
+    offenders = sorted(f"{m} imports {x}" for m, names in seen.items() for x in names & EXTRAS
+                       if not m.startswith(INTEGRATIONS))
+    offenders += sorted(f"{m} imports {d}" for m, deps in GRAPH.items() for d in deps
+                        if d.startswith(INTEGRATIONS) and not m.startswith(INTEGRATIONS))
     assert not offenders, offenders
 
 

@@ -258,7 +258,7 @@ def test_a_wrong_parallelize_function_is_reported_at_its_module(pool):
     (dict(plan=None), "give a plan (module path -> ParallelStyle) or parallelize_fn(model, mesh), one of them"),
     (dict(parallelize_fn=um.parallelize_with_ddp), "parallelize_fn user_models:parallelize_with_ddp wrapped the "
      "model in DP (ddp_mesh) itself: pass dp='own'"),
-    (dict(parallelize_fn=um.parallelize_swapped, dp="own"), "parallelize_fn user_models:parallelize_swapped "
+    (dict(parallelize_fn=um.parallelize_swapped, dp="own", mesh=(2, 1)), "parallelize_fn user_models:parallelize_swapped "
      "applied no DP, and dp='own' says it does"),
     (dict(plan=um.PLAN, dp="own"), "dp='own' means your parallelize_fn wraps DP itself"),
     # meshes crossed, which torch accepts without a word

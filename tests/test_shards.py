@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tpdp_verify.errors import UsageError
-from tpdp_verify.runner import merge, selection
+from tpdp_verify.runner import selection
 from tpdp_verify.runner.profiles import PROFILES
 
 CI = PROFILES["ci"]

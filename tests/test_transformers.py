@@ -1,6 +1,8 @@
 """transformers models as they come: a tiny random-init Llama and Qwen2 with the TP plans
 transformers ships, their own loss from labels, their ModelOutput, verified with no wrapper
-from Python, pytest and the shell (issue 17). Needs the hf extra (`make test` installs it)."""
+from Python, pytest and the shell (issue 17); and sharded by transformers' own distributed
+stack (tpdp_verify.integrations.transformers: its TP layers, EP and FSDP2), a dense, a tied
+and an MoE model (issue 48). Needs the hf extra (`make test` installs it)."""
 
 import json
 import re
@@ -15,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra: pip ins
 import hf_models as hm  # noqa: E402
 
 from tpdp_verify import UsageError, verify_plan  # noqa: E402
+from tpdp_verify.integrations import transformers as stack  # noqa: E402
 from tpdp_verify.ranks.pool import RankPool  # noqa: E402
 
 TESTS = str(Path(__file__).parent)
@@ -24,6 +27,12 @@ pytest_plugins = ["pytester"]
 @pytest.fixture(scope="module")
 def pool():
     with RankPool(2) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4) as p:
         yield p
 
 
@@ -88,6 +97,56 @@ def test_a_model_without_a_plan_of_its_own_cannot_take_auto():
         verify_plan(um.make_mlp, "auto", input_fn=um.vectors, pool=RankPool.__new__(RankPool))
 
 
+def through_the_stack(model_fn, parallelize_fn=stack.parallelize, **kw):
+    kw.setdefault("steps", 2)
+    return verify_plan(model_fn, parallelize_fn=parallelize_fn, dp_alone_fn=stack.dp_alone, dp="own",
+                       input_fn=hm.tokens, loss_fn=hm.model_loss, **kw)
+
+
+@pytest.mark.parametrize("model_fn, sharded", [(hm.make_llama, 16), (hm.make_gemma3, 16), (hm.make_qwen3_moe, 14)],
+                         ids=["dense", "tied", "moe"])
+def test_transformers_own_stack_trains_like_one_device_and_like_its_dp_alone(pool4, model_fn, sharded):
+    """TP by transformers' own layers, then its FSDP2 with the model's fsdp_plan, on (dp=2, tp=2)."""
+    report = through_the_stack(model_fn, mesh=(2, 2), pool=pool4)
+    assert report.status == "pass", str(report)
+    lines = {x.check: x for x in report.lines}
+    assert f"sharded {sharded} parameters by TP and wrapped DP itself (fully_shard)" in lines["plan keys resolve"].detail
+    assert lines["gradients vs plain DDP"].compared > 0 and lines["everything else vs plain DDP"].compared > 0
+    assert lines["registry preserved"].compared > 0 and lines["gradients vs one device"].compared > 0
+
+
+def test_a_tied_head_is_untied_and_tied_again_as_from_pretrained_does(pool4):
+    """transformers distributes a model instantiated untied and ties it after loading; the
+    ranks' model holds its head and embedding as one parameter again, as one device does."""
+    report = through_the_stack(hm.make_gemma3, mesh=(2, 2), pool=pool4, steps=1)
+    assert report.one_device.tied == [("model.embed_tokens.weight", "lm_head.weight")], report.one_device.tied
+    assert report.status == "pass" and "tied parameters came apart" not in str(report)
+
+
+def test_moe_experts_run_as_they_come_and_eagerly_in_the_exact_run(pool4):
+    """grouped_mm has no float64 kernel: the exact run takes transformers' eager experts and
+    the report says so; the ranks run grouped_mm, with EP splitting the experts too."""
+    report = through_the_stack(hm.make_qwen3_moe, stack.expert_parallel, mesh=(2, 2), pool=pool4)
+    assert report.status == "pass", str(report)
+    assert report.one_device.substituted == [
+        "the MoE experts ran eagerly (experts_implementation 'eager' for 'grouped_mm', which has no float64 kernel)"]
+    assert "the exact run (one device, float64) substituted: the MoE experts ran eagerly" in " ".join(str(report).split())
+    assert report.to_dict()["exact_run_substituted"] == report.one_device.substituted
+
+
+def test_a_wrong_override_in_transformers_own_stack_is_named(pool):
+    """The stack with DistributedConfig(tp_plan={...o_proj: "colwise"}): its forward fails there."""
+    report = through_the_stack(hm.make_llama, hm.o_proj_colwise, mesh=(1, 2), pool=pool, steps=1)
+    assert report.status == "diverges" and report.first_module == "model.layers.0.self_attn.o_proj", str(report)
+    assert "applied no DP (one dp rank)" in str(report)
+
+
+def test_dp_alone_is_for_a_parallelize_fn_that_wraps_dp_itself():
+    with pytest.raises(UsageError, match=r"^dp_alone_fn\(model, mesh\) applies your DP without TP, .*with dp='own'$"):
+        verify_plan(hm.make_llama, parallelize_fn=stack.parallelize, dp_alone_fn=stack.dp_alone, dp="fsdp2",
+                    input_fn=hm.tokens, pool=RankPool.__new__(RankPool))
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "tpdp_verify", "plan", "hf_models:make_llama", "--input",
                            "hf_models:tokens", "--loss", "hf_models:model_loss", "--steps", "1", *args],
@@ -102,6 +161,11 @@ def test_from_the_shell_with_no_wrapper(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["outputs_not_compared"][0].startswith("loss")
     known = cli("--plan", "auto", "--dp", "ddp_mesh", "--baseline", "torch==2.13.0")
     assert known.returncode == 0 and "PASS but for known torch faults (torch==2.13.0)" in known.stdout, known.stdout
+    own = cli("--stack", "transformers", "--mesh", "1x2")
+    assert own.returncode == 0 and "applied no DP (one dp rank)" in own.stdout, own.stdout + own.stderr
+    refused = cli("--stack", "transformers", "--dp", "ddp")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "--stack transformers applies the stack's own DP" in refused.stderr
     wrong = cli("--plan", "hf_models:WRONG_O_PROJ", "--dp", "fsdp2")
     assert wrong.returncode == 1 and "the module whose forward raised: model.layers.0.self_attn.o_proj" in wrong.stdout
     assert "Traceback" not in wrong.stdout + wrong.stderr

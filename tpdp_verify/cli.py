@@ -18,6 +18,7 @@ from pathlib import Path
 from tpdp_verify import torch_release
 from tpdp_verify.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE, PoolError, UsageError
 from tpdp_verify.files import write_whole
+from tpdp_verify.integrations import STACKS
 from tpdp_verify.interrupts import Interrupted, caught
 from tpdp_verify.runner import profiles
 
@@ -100,6 +101,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="your own parallelize_fn(model, mesh) -> model: applies TP (and any fix-up) to "
                     "mesh['tp'] of the (dp, tp) or (dp_replicate, dp_shard, tp) mesh; tpdp-verify still wraps DP per --dp, unless --dp own says "
                     "your function wraps it too")
+    tp.add_argument("--stack", choices=tuple(STACKS),
+                    help="a library's own distributed stack as it shards the model: transformers = its "
+                    "DistributedConfig(tp_size, fsdp_size, dp_replicate_size) from --mesh, applied by transformers' "
+                    "own code (TP, then FSDP2 with the model's fsdp_plan); transformers-ep adds its expert "
+                    "parallelism (ep_size = tp); the plain-DP run is the stack's DP without TP")
+    plan.add_argument("--dp-alone", metavar="MODULE:FN",
+                      help="with --dp own: dp_alone_fn(model, mesh) -> model, your DP without TP on the same "
+                      "mesh, for the plain-DP run (else that run is not made)")
     plan.add_argument("--input", required=True, metavar="MODULE:FN",
                       help="input_fn(n, generator): the input of n samples, or a dict with it under 'input'")
     plan.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, batch): one loss per sample "
@@ -551,8 +560,14 @@ def _plan(args: argparse.Namespace) -> int:
     from tpdp_verify import outputs
     from tpdp_verify.ranks import pool
 
-    given = {"plan": args.plan, "parallelize": args.parallelize, "input": args.input, "loss": args.loss,
-             "optimizer": args.optimizer}
+    given = {"plan": args.plan, "parallelize": args.parallelize, "dp_alone": args.dp_alone, "input": args.input,
+             "loss": args.loss, "optimizer": args.optimizer}
+    if args.stack:
+        if args.dp not in ("fsdp2", "hsdp", "own") or args.dp_alone:
+            raise UsageError(f"--stack {args.stack} applies the stack's own DP (FSDP2, HSDP on a 3-D mesh) and its "
+                             "run without TP: leave out --dp and --dp-alone")
+        args.dp = "own"
+        given["parallelize"], given["dp_alone"] = STACKS[args.stack]
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does; the ranks and their fork server inherit it
     started, start = outputs.now(), time.monotonic()
@@ -587,8 +602,10 @@ def _run_plan(args: argparse.Namespace, files: dict[str, str], given: dict, star
 
     model_fn = _named(args.model, "the model")
     logs = _quiet(args)
-    named = {k: v if (k, v) == ("plan", "auto") else _named(v, f"--{k}") if v else None for k, v in given.items()}
-    report = verify_plan(model_fn, named["plan"], parallelize_fn=named["parallelize"], mesh=args.mesh,
+    named = {k: v if (k, v) == ("plan", "auto") else _named(v, f"--{k.replace('_', '-')}") if v else None
+             for k, v in given.items()}
+    report = verify_plan(model_fn, named["plan"], parallelize_fn=named["parallelize"], dp_alone_fn=named["dp_alone"],
+                         mesh=args.mesh,
                          input_fn=named["input"],
                          loss_fn=named["loss"], optimizer_fn=named["optimizer"], steps=args.steps, dp=args.dp,
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,

@@ -275,7 +275,7 @@ def to_junit(record: dict) -> str:
         return _usage_junit(record)
     if record["command"] == "plan":
         return _plan_junit(record)
-    props, counts, error = record["properties"], record["counts"], record["error"]
+    props, error = record["properties"], record["error"]
     tags = [Status(p["status"]).junit for p in props]
     totals = {"tests": len(props) + bool(error), "failures": tags.count("failure"),
               "errors": tags.count("error") + bool(error), "skipped": 0}

@@ -285,6 +285,8 @@ class Report:
         # Against one device first; plain DDP's own report only adds news when that passed.
         if self.one_device.unread:
             out += ["", "output leaves not compared: " + "; ".join(self.one_device.unread)]
+        if self.one_device.substituted:
+            out += ["", "the exact run (one device, float64) substituted: " + "; ".join(self.one_device.substituted)]
         out += self._exercised_lines()
         out += self._known_lines()
         verdict = self.one_device if not self.one_device.ok else self.plain_ddp
@@ -319,6 +321,7 @@ class Report:
                         "detail": x.cell(self._reached)[1]} for x in self.lines],
             "exercised": self.one_device.exercised,
             "outputs_not_compared": self.one_device.unread,
+            "exact_run_substituted": self.one_device.substituted,
             "first_module": self.first_module,
             "plain_ddp": self.one_device.plain_ddp,
             "failures": failures,

@@ -50,6 +50,7 @@ class Verdict:
     beside: str = "the same DP entry point without TP"  # the run plain_ddp speaks of
     unobserved: str = ""  # what was not compared, and why
     unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
+    substituted: list[str] = field(default_factory=list)  # what the float64 run ran in a kernel's place
     accumulate: int = 1  # microbatches a step: orders outputs among the steps' values
     # exact comparisons that failed: "check: where name" -> the largest absolute difference
     # (inf where there was nothing of the same shape to subtract), to weigh one run's
@@ -299,7 +300,8 @@ def judge_training(case: TrainCase, observed: Trace, rounded: Trace, shadow: Tra
     mixed precision), that dtype is the floor of every bound (docs/tolerance.md)."""
     dtype = case.wire_dtype
     v = Verdict(against=against, unobserved=f"optimizer state: {observed.state_unobserved}"
-                if observed.state_unobserved else "", unread=shadow.unread, accumulate=case.accumulate,
+                if observed.state_unobserved else "", unread=shadow.unread, substituted=shadow.substituted,
+                accumulate=case.accumulate,
                 exercised=observed.exercised, tied=shadow.tied)
     if observed.error:
         v.checks.append(Check("trains without an exception", False, observed.error, observed.raised))

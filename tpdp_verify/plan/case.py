@@ -62,6 +62,7 @@ class UserModel:
     optimizer_fn: Callable | None = None  # parameters -> optimizer
     loss_parallel: bool = False
     parallelize_fn: Callable | None = None  # (model, (dp, tp) mesh) -> the TP'd model, in place of plan
+    dp_alone_fn: Callable | None = None  # with dp="own": (model, mesh) -> the same DP without TP
 
     def fixture(self):
         from hypothesis import strategies as st
@@ -72,11 +73,12 @@ class UserModel:
                        plan=lambda size: self.plan if callable(self.plan) else dict(self.plan or ()),
                        batch=lambda gen, n, size: as_batch(self.input_fn(n, gen)),
                        per_sample_loss=self.loss_fn or mean_square, sizes=lambda tp: st.just(Size()),
-                       loss_parallel=self.loss_parallel, parallelize=self.parallelize_fn)
+                       loss_parallel=self.loss_parallel, parallelize=self.parallelize_fn,
+                       dp_alone=self.dp_alone_fn)
 
 
 def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, dp, dtype, batch,
-              accumulate, ddp_options, loss_parallel, seed, parallelize_fn=None) -> TrainCase:
+              accumulate, ddp_options, loss_parallel, seed, parallelize_fn=None, dp_alone_fn=None) -> TrainCase:
     """The TrainCase of a verify_plan call, its arguments checked."""
     if not callable(model_fn) or not callable(input_fn):
         raise UsageError("model_fn and input_fn must be callables: model_fn() -> nn.Module, "
@@ -87,6 +89,9 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     if dp == "own" and parallelize_fn is None:
         raise UsageError("dp='own' means your parallelize_fn wraps DP itself: give parallelize_fn(model, mesh), "
                          "or a dp for tpdp-verify to wrap the plan's model with")
+    if dp_alone_fn is not None and (dp != "own" or not callable(dp_alone_fn)):
+        raise UsageError("dp_alone_fn(model, mesh) applies your DP without TP, for the plain-DP run of a "
+                         "parallelize_fn that wraps DP itself: give a function, with dp='own'")
     if parallelize_fn is not None and not callable(parallelize_fn):
         raise UsageError(f"parallelize_fn is a {type(parallelize_fn).__name__}; give a function "
                          "(model, mesh) -> model that applies your TP to mesh['tp']")
@@ -119,7 +124,7 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
         raise UsageError(f"ddp_options: {exc}; the keys are those of tpdp_verify.cases.training.DDPOptions") from None
     user = UserModel(model_fn, plan if plan is None or callable(plan) or plan == "auto" else tuple(plan.items()),
                      input_fn,
-                     loss_fn, optimizer_fn, loss_parallel, parallelize_fn)
+                     loss_fn, optimizer_fn, loss_parallel, parallelize_fn, dp_alone_fn)
     form = DP_FORMS.get("fsdp1_hybrid" if (dp, len(mesh)) == ("fsdp1", 3) else dp, {})
     return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
                      accumulate=accumulate, local_batch=batch // dp_ranks, seed=seed, dtype=name, user=user, **form)

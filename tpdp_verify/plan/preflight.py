@@ -191,7 +191,7 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     model = build(case)
     sums = _checksums(model)
     if case.user.parallelize_fn is not None:
-        return _parallelize_problems(case.user.parallelize_fn, model, mesh, case.entry == "own"), sums
+        return _parallelize_problems(case.user.parallelize_fn, model, mesh, case.entry == "own", case.dp), sums
     try:
         plan = plan_for(fixture(case), case, mesh["tp"])
     except Exception as exc:
@@ -211,9 +211,11 @@ def preflight(case: TrainCase) -> tuple[list[str], dict]:
     return [f"parallelize_module: {w.message}" for w in caught if "could not be resolved" in str(w.message)], sums
 
 
-def _parallelize_problems(parallelize_fn, model: nn.Module, mesh, own_dp: bool) -> list[str]:
+def _parallelize_problems(parallelize_fn, model: nn.Module, mesh, own_dp: bool, dp: int) -> list[str]:
     """What is wrong with what a user's parallelize function does to the model; a plan key
-    it cannot resolve is a problem too (parallelize_module only warns)."""
+    it cannot resolve is a problem too (parallelize_module only warns). Over one dp rank a
+    function that wraps DP itself may apply none (transformers shards with FSDP2 only where
+    fsdp_size > 1)."""
     from tpdp_verify.ranks.entries import own_entry
 
     name = name_of(parallelize_fn)
@@ -232,7 +234,7 @@ def _parallelize_problems(parallelize_fn, model: nn.Module, mesh, own_dp: bool) 
         return unresolved
     out = model if out is None else out
     entry = own_entry(out)
-    if own_dp and entry is None:
+    if own_dp and entry is None and dp > 1:
         return [f"parallelize_fn {name} applied no DP, and dp='own' says it does: wrap the model in DDP, "
                 "replicate, fully_shard or FSDP on mesh['dp'] and return the wrapper, or pass dp='ddp' (or "
                 "another) for tpdp-verify to wrap it"]

@@ -14,7 +14,7 @@ def script(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
     their modules' files, wherever it is run from."""
     u = case.user
     named = {"model_fn": u.model_fn, "input_fn": u.input_fn, "loss_fn": u.loss_fn, "optimizer_fn": u.optimizer_fn,
-             "parallelize_fn": u.parallelize_fn, "plan": plan if callable(plan) else None}
+             "parallelize_fn": u.parallelize_fn, "dp_alone_fn": u.dp_alone_fn, "plan": plan if callable(plan) else None}
     imports = {fn.__module__: [] for fn in named.values() if fn is not None}
     for fn in named.values():
         if fn is not None:

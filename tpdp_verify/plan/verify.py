@@ -23,6 +23,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                 mesh: tuple[int, ...] = (1, 2),
                 input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
                 steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "fsdp2",
+                dp_alone_fn: Callable | None = None,
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
@@ -40,8 +41,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     given the whole mesh as torchtitan's parallelize functions are; it returns
     the model. tpdp-verify still wraps DP per ``dp``, unless ``dp="own"``: then the function
     applies DP itself too (DDP, replicate, fully_shard or FSDP on ``mesh["dp"]``, returning
-    the wrapper), tpdp-verify drives the wrapper it finds, and the plain-DP comparison is
-    not made (the report says so). ``input_fn(n, generator)`` returns the input of ``n`` samples
+    the wrapper; over one dp rank it may apply none), tpdp-verify drives the wrapper it finds,
+    and the plain-DP comparison is made with ``dp_alone_fn(model, mesh)``, the same DP
+    without TP on the same mesh, or else not made (the report says so). transformers' own
+    stack is both: tpdp_verify.integrations.transformers ``parallelize`` and ``dp_alone``.
+    ``input_fn(n, generator)`` returns the input of ``n`` samples
     (dim 0), or a dict with it under "input" and any targets; draw from ``generator``.
     ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
     weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
@@ -78,7 +82,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     case = make_case(model_fn, plan, mesh=mesh, input_fn=input_fn, loss_fn=loss_fn, steps=steps,
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
-                     parallelize_fn=parallelize_fn)
+                     parallelize_fn=parallelize_fn, dp_alone_fn=dp_alone_fn)
     if baseline:
         from tpdp_verify.runner.baseline import release_of
 
@@ -96,14 +100,16 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     if owned:  # the ranks' fork server imports the user's modules (transformers, say) once, for all
         from tpdp_verify.ranks.pool import warm_up
 
-        warm_up(tuple(dict.fromkeys(fn.__module__ for fn in (model_fn, input_fn, loss_fn, optimizer_fn, parallelize_fn)
+        users = (model_fn, input_fn, loss_fn, optimizer_fn, parallelize_fn, dp_alone_fn)
+        warm_up(tuple(dict.fromkeys(fn.__module__ for fn in users
                                     if fn is not None and fn.__module__ not in ("__main__", "__mp_main__"))))
     pool = RankPool(world, backend, timeout=timeout, output=rank_output, waiting=waiting) if owned else pool
     keys, entry, spmd = 0, case.entry, case.dp_mesh_dims
+    plain_run = case.entry != "own" or dp_alone_fn is not None  # the same DP without TP: torch's, or the user's
     try:
         keys, entry, spmd = check_on_ranks(pool, case)
         one = verdict_one_device(pool, impl, case)
-        plain = Verdict(against="plain DDP") if case.entry == "own" else verdict_plain_ddp(pool, impl, case)
+        plain = verdict_plain_ddp(pool, impl, case) if plain_run else Verdict(against="plain DDP")
     except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
         one, plain = _did_not_finish(exc), Verdict(against="plain DDP")
     try:
@@ -111,14 +117,16 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     finally:
         if owned:
             pool.close()
-    form = dataclasses.replace(case, entry=entry, dp_mesh_dims=spmd).dp_form
+    form = dataclasses.replace(case, entry=entry, dp_mesh_dims=spmd).dp_form if entry else ""
     detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
-        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and wrapped DP itself ({form})"
+        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and " \
+        + (f"wrapped DP itself ({form})" if form else "applied no DP (one dp rank)")
     return Report.of(case, keys, one, plain, replay or script(case, impl, plan, baseline), detail,
-                     baseline or "", known, OWN_DP if case.entry == "own" else "")
+                     baseline or "", known, "" if plain_run else OWN_DP)
 
 
-OWN_DP = "parallelize_fn wraps DP itself (dp='own'), so there is no run without TP to compare with"
+OWN_DP = ("parallelize_fn wraps DP itself (dp='own'), so there is no run without TP to compare with (give "
+          "dp_alone_fn, the same DP without TP)")
 
 
 REFERENCE = "with tpdp-verify's reference transform in torch's place, the same run does not show it"

@@ -216,6 +216,8 @@ def wrap_own(model, case: TrainCase, mesh, impl) -> Wrapped:
     """dp="own": the user's parallelize function applied DP itself; find which entry point,
     to drive its microbatches as it expects."""
     entry = own_entry(model)
+    if entry is None and case.dp == 1:  # one dp rank: a stack that applies no DP of one (transformers' fsdp_size=1)
+        return Wrapped(model, model, contextlib.nullcontext)
     if entry is None:
         raise RuntimeError("dp='own' but parallelize_fn applied no DP: wrap the model in DDP, replicate, "
                            "fully_shard or FSDP on mesh['dp'], or let tpdp-verify wrap it (dp='ddp', ...)")

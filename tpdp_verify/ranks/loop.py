@@ -51,6 +51,9 @@ class Trace(Observation):
     trainable: list[str] = field(default_factory=list)  # names requiring grad before training
     outputs: list[dict] = field(default_factory=list)  # each microbatch: leaf path -> this run's rows of it
     unread: list[str] = field(default_factory=list)  # output leaves not compared, each with why
+    # the float64 run only: each kernel with no float64 path it ran as another kernel of the
+    # same library, the same math (oracles.single_device.float64_kernels), said in the report
+    substituted: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     # each step: the total gradient norm clipping saw (Habits.clip), as a user logs it: a
     # reading (READINGS) -> its value

@@ -122,6 +122,9 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
         if case.habits.ignored == "frozen":  # frozen again after TP, as users who freeze a parallelized
             # model do: SequenceParallel drops requires_grad (docs/known-divergences.md, fault 7)
             ignorable(model).requires_grad_(False)
+    elif case.entry == "own" and fx.dp_alone is not None:  # the user's own DP without TP: the plain-DP run
+        out = fx.dp_alone(model, mesh)
+        model = model if out is None else out
     if case.habits.checkpoint:
         checkpoint_blocks(model)
     before = dict(model.named_parameters(remove_duplicate=False))

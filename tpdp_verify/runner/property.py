@@ -8,7 +8,6 @@ so that a property whose strategy was filtered away cannot pass silently.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib

@@ -91,7 +91,7 @@ def main() -> int:
     said = {}
     for r, (_, v) in results.items():
         said.setdefault(v["per Linear"], []).append(r)
-    print(f"actual:   FullyShardedDataParallel(auto_wrap_policy=ModuleWrapPolicy({{nn.Linear}})) on a (dp=2, tp=2) mesh: "
+    print("actual:   FullyShardedDataParallel(auto_wrap_policy=ModuleWrapPolicy({nn.Linear})) on a (dp=2, tp=2) mesh: "
           + "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} "
                       + ("raised " if what != "wrapped" else "") + what for what, rs in said.items()))
     present = diff > 1e-6 or any(v["per Linear"] != "wrapped" for _, v in results.values())
