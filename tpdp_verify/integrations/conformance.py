@@ -1,0 +1,221 @@
+"""The conformance table: every architecture of the installed transformers that ships a TP
+plan, on a tiny config derived from its config class, verified through transformers' own
+stack (tpdp_verify.integrations.transformers) under each layout: TP alone, TP with FSDP2,
+HSDP, and EP where the architecture has an expert plan.
+
+    python -m tpdp_verify.integrations.conformance [--markdown docs/transformers-conformance.md]
+        [--json FILE] [-k SUBSTRING] [--layouts tp,tp_fsdp2,hsdp,ep]
+
+Each row is PASS, or the report's first line and where it departs; a row that cannot run
+says why (a config that does not build small, a model class transformers does not map).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+VOCAB, SEQ = 64, 8
+# Every size small, and what TP and EP split divisible by 2: heads, key-value heads, experts.
+# A config takes the fields it has (by name, or by its attribute_map's alias).
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, moe_intermediate_size=16,
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            layer_types=None)
+
+
+class Layout(NamedTuple):
+    name: str
+    mesh: tuple[int, ...]
+    parallelize: str  # the name in tpdp_verify.integrations.transformers
+    experts_only: bool = False  # only for architectures with an expert plan
+
+
+LAYOUTS = {l.name: l for l in (
+    Layout("tp", (1, 2), "parallelize"),
+    Layout("tp_fsdp2", (2, 2), "parallelize"),
+    Layout("hsdp", (2, 1, 2), "parallelize"),
+    Layout("ep", (2, 2), "expert_parallel", experts_only=True),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """model_fn of one architecture: its model class (causal LM, else the base model) on
+    the tiny config. A module-level class, so that the ranks rebuild it by name."""
+
+    model_type: str
+
+    def __call__(self) -> torch.nn.Module:
+        config = tiny_config(self.model_type)
+        return model_class(self.model_type)(config)
+
+
+def tiny_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    aliases = dict(getattr(cls, "attribute_map", {}) or {})
+    given = {}
+    for key, value in TINY.items():
+        name = key if key in fields else aliases.get(key)
+        if name in fields and name not in given:
+            given[name] = value
+    return cls(**given)
+
+
+def model_class(model_type: str):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    for names in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES):
+        found = getattr(transformers, names.get(model_type) or "", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def tokens(n: int, generator: torch.Generator) -> dict:
+    return {"input_ids": torch.randint(3, VOCAB, (n, SEQ), generator=generator)}
+
+
+def tokens_and_labels(n: int, generator: torch.Generator) -> dict:
+    """A causal LM's own loss: the same ids as labels."""
+    ids = torch.randint(3, VOCAB, (n, SEQ), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def own_loss(out, batch) -> torch.Tensor:
+    """The loss a causal LM computes from its labels (the batch's mean)."""
+    return out.loss
+
+
+def architectures(only: list[str] | None = None) -> dict[str, dict]:
+    """model_type -> its config class, model class, its TP plan's styles and whether it
+    has an expert plan, for every config class of the installed transformers with a
+    ``base_model_tp_plan`` (whose model_type holds one of ``only``, where given)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    out = {}
+    for model_type in sorted(CONFIG_MAPPING.keys()):
+        if only and not any(s in model_type for s in only):
+            continue
+        try:
+            cls = CONFIG_MAPPING[model_type]
+        except Exception:  # a config whose module does not import here: not shipped usable
+            continue
+        plan = getattr(cls, "base_model_tp_plan", None)
+        if plan:
+            model = model_class(model_type)
+            out[model_type] = {"config": cls.__name__, "model": model.__name__ if model else None,
+                               "styles": sorted(set(plan.values())),
+                               "experts": bool(getattr(cls, "base_model_ep_plan", None))}
+    return out
+
+
+def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
+    """One architecture under one layout: its verdict, or why it could not run."""
+    from tpdp_verify import verify_plan
+    from tpdp_verify.errors import UsageError
+    from tpdp_verify.integrations import transformers as stack
+
+    if layout.experts_only and not arch["experts"]:
+        return {"result": "n/a", "detail": "no expert plan"}
+    if arch["model"] is None:
+        return {"result": "not run", "detail": "transformers maps no model class to this config alone"}
+    causal = arch["model"].endswith("ForCausalLM")
+    start = time.monotonic()
+    try:
+        report = verify_plan(Tiny(model_type), parallelize_fn=getattr(stack, layout.parallelize),
+                             dp_alone_fn=stack.dp_alone, dp="own", mesh=layout.mesh,
+                             input_fn=tokens_and_labels if causal else tokens, loss_fn=own_loss if causal else None,
+                             steps=2, pool=pools[math.prod(layout.mesh)], replay=replay(model_type, layout))
+    except UsageError as exc:
+        return {"result": "not run", "detail": str(exc), "seconds": round(time.monotonic() - start, 1)}
+    said = str(report)
+    return {"result": report.status.label,
+            "detail": "" if report.ok else _first_departure(said), "seconds": round(time.monotonic() - start, 1),
+            "substituted": report.one_device.substituted}
+
+
+def replay(model_type: str, layout: Layout) -> str:
+    return f"python -m tpdp_verify.integrations.conformance -k {model_type} --layouts {layout.name}"
+
+
+def _first_departure(said: str) -> str:
+    lines = [ln.strip() for ln in said.splitlines()]
+    keep = [ln for ln in lines if ln.startswith(("the module whose forward raised", "every rank trains",
+                                                  "first departs", "TP+DP departs"))]
+    return " ".join((keep or lines[:1])[:2])[:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tpdp_verify.ranks.pool import RankPool, warm_up
+
+    parser = argparse.ArgumentParser(prog="python -m tpdp_verify.integrations.conformance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", dest="only", action="append", help="architectures whose model_type holds this")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--rank-output", default=None, help="a directory for the ranks' output (default: a "
+                        "temporary one)")
+    args = parser.parse_args(argv)
+    layouts = [LAYOUTS[n] for n in args.layouts.split(",")]
+    archs = architectures(args.only)
+    rows: dict[str, dict] = {k: {**v, "layouts": {}} for k, v in archs.items()}
+    logs = args.rank_output or tempfile.mkdtemp(prefix="tpdp-conformance-")
+    warm_up(("transformers", "tpdp_verify.integrations.transformers", __name__))
+    pools = {world: RankPool(world, timeout=120.0, output=logs)
+             for world in sorted({math.prod(layout.mesh) for layout in layouts})}
+    try:
+        for model_type, arch in archs.items():
+            for layout in layouts:
+                row = run_row(model_type, arch, layout, pools)
+                rows[model_type]["layouts"][layout.name] = row
+                print(f"{model_type:32} {layout.name:9} {row['result']:10} {row.get('detail', '')[:120]}", flush=True)
+                _write(args, rows, layouts)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return 0
+
+
+def _write(args, rows: dict, layouts: list[Layout]) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, layouts))
+
+
+def markdown(rows: dict, layouts: list[Layout]) -> str:
+    import transformers
+
+    head = ["| architecture | model | " + " | ".join(f"{l.name} {'x'.join(map(str, l.mesh))}" for l in layouts) + " |",
+            "|---|---|" + "---|" * len(layouts)]
+    body = []
+    for model_type, row in rows.items():
+        cells = []
+        for layout in layouts:
+            cell = row["layouts"].get(layout.name, {"result": ""})
+            said = cell["result"] + (f": {cell['detail']}" if cell.get("detail") else "")
+            cells.append(said.replace("|", "\\|"))
+        body.append(f"| {model_type} | {row['model'] or ''} | " + " | ".join(cells) + " |")
+    return (f"transformers {transformers.__version__}, torch {torch.__version__}\n\n"
+            + "\n".join(head + body) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
