@@ -131,8 +131,10 @@ def test_a_head_that_returns_its_shard_is_named(pool):
 
 @pytest.mark.timeout(300)
 def test_the_replay_of_a_report_runs_as_it_is_from_anywhere(pool, tmp_path):
-    report = verify(um.SWAPPED, pool=pool, steps=1)
+    report = verify(um.SWAPPED, um.MLPOf(), pool=pool, steps=1)  # a callable object: written as its repr
     assert "replay (save as a file and run it with python):" in str(report)
+    assert "from user_models import MLPOf, vectors, SWAPPED" in report.replay and "verify_plan(MLPOf(kind='mlp'), " \
+        "SWAPPED, input_fn=vectors" in report.replay, report.replay
     (tmp_path / "replay.py").write_text(report.replay)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds user_models itself
     replayed = subprocess.run([sys.executable, "replay.py"], cwd=tmp_path, capture_output=True, text=True,

@@ -1,5 +1,6 @@
 """A user's models, plans and data for tests/test_plan.py: module level, so ranks import them."""
 
+import dataclasses
 import time
 
 import torch
@@ -35,6 +36,17 @@ class Blocks(nn.Module):
 
 def make_mlp():
     return MLP()
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPOf:
+    """model_fn as a callable object, as a table of models builds one per entry
+    (tpdp_verify.integrations.conformance.Tiny): sent to the ranks and replayed by its repr."""
+
+    kind: str = "mlp"
+
+    def __call__(self):
+        return MLP()
 
 
 class Outputs(MLP):

@@ -19,7 +19,7 @@ from tpdp_verify.styles import resolve
 
 
 def _sendable(user: UserModel) -> None:
-    for field in ("model_fn", "plan", "parallelize_fn", "input_fn", "loss_fn", "optimizer_fn"):
+    for field in ("model_fn", "plan", "parallelize_fn", "dp_alone_fn", "input_fn", "loss_fn", "optimizer_fn"):
         try:
             pickle.dumps(getattr(user, field))
         except Exception as exc:

@@ -18,7 +18,7 @@ def script(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
     imports = {fn.__module__: [] for fn in named.values() if fn is not None}
     for fn in named.values():
         if fn is not None:
-            imports[fn.__module__].append(fn.__qualname__.split(".")[0])
+            imports[fn.__module__].append(getattr(fn, "__qualname__", type(fn).__qualname__).split(".")[0])
     plan_name, written = None, []
     if plan == "auto":
         plan_name = "'auto'"
@@ -30,10 +30,10 @@ def script(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
                 "from torch.distributed.tensor.parallel import *  # noqa: F403", "",
                 "# the plan, from its styles' reprs (torch writes a layout as a tuple): check it",
                 f"PLAN = {{{', '.join(f'{k!r}: {v!r}' for k, v in plan.items())}}}"]
-    args = [named["model_fn"].__qualname__]
+    args = [_called(named["model_fn"])]
     if plan is not None:
-        args.append(named["plan"].__qualname__ if callable(plan) else plan_name)
-    args += [f"{k}={v.__qualname__}" for k, v in named.items() if v is not None and k not in ("model_fn", "plan")]
+        args.append(_called(named["plan"]) if callable(plan) else plan_name)
+    args += [f"{k}={_called(v)}" for k, v in named.items() if v is not None and k not in ("model_fn", "plan")]
     dp = next(k for k, v in DP.items() if v == case.entry)
     args += [f"mesh={case.mesh_shape}", f"steps={case.steps}", f"dp={dp!r}", f"dtype=torch.{case.dtype}",
              f"batch={case.global_batch}", f"accumulate={case.accumulate}", f"seed={case.seed}", f"impl={impl!r}"]
@@ -49,6 +49,12 @@ def script(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
               f"    report = verify_plan({', '.join(args)})", "    print(report)",
               "    raise SystemExit(0 if report.ok else 1)"]
     return "\n".join(lines) + "\n"
+
+
+def _called(fn) -> str:
+    """A callable as the script writes it: a function by its name, a callable object (a
+    dataclass instance's __call__) by its repr, its class imported."""
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _import_root(module: str) -> str | None:
