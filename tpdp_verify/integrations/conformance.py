@@ -31,8 +31,9 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, moe_intermediate_size=16,
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            layer_types=None)
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            mamba_n_heads=4, index_n_heads=4, index_head_dim=8, index_topk=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, global_head_dim=8)
+MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
 class Layout(NamedTuple):
@@ -58,22 +59,53 @@ class Tiny:
     model_type: str
 
     def __call__(self) -> torch.nn.Module:
-        config = tiny_config(self.model_type)
-        return model_class(self.model_type)(config)
+        config, cls = tiny_config(self.model_type), model_class(self.model_type)
+        with torch.device("meta"):  # sized first: a field the derivation misses can hold gigabytes
+            probe = cls(config)
+        sizes = {n: p.numel() for n, p in probe.named_parameters()}
+        if sum(sizes.values()) > MAX_PARAMETERS:
+            biggest = max(sizes, key=sizes.get)
+            raise ValueError(f"the tiny config still makes {sum(sizes.values()) / 1e6:.1f}M parameters "
+                             f"({biggest}: {list(probe.get_parameter(biggest).shape)}), beyond "
+                             f"{MAX_PARAMETERS / 1e6:.0f}M: a size field of {type(config).__name__} that TINY "
+                             "does not set")
+        return cls(config)
 
 
 def tiny_config(model_type: str):
+    """The config class's defaults with every TINY field it has; its layer types cut to one
+    layer of each kind (in their order), a multimodal rotary split cut to the tiny head; and,
+    where the class refuses grouped-query attention, as many key-value heads as heads."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    default = cls()
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(vars(default))
     aliases = dict(getattr(cls, "attribute_map", {}) or {})
     given = {}
     for key, value in TINY.items():
         name = key if key in fields else aliases.get(key)
         if name in fields and name not in given:
             given[name] = value
-    return cls(**given)
+    if "kv_lora_rank" in given and "num_key_value_heads" in given:  # MLA: a key-value head a head
+        given["num_key_value_heads"] = given["num_attention_heads"]
+    types = list(getattr(default, "layer_types", None) or ())
+    kinds = list(dict.fromkeys(types))
+    if kinds and "layer_types" in fields:
+        given["layer_types"] = kinds * (2 if len(kinds) == 1 else 1)
+        given["num_hidden_layers"] = len(given["layer_types"])
+    elif kinds and "num_hidden_layers" in given:  # layer types computed from a period: enough layers for each
+        given["num_hidden_layers"] = max(2, max(types.index(k) for k in kinds) + 1)
+    rope = getattr(default, "rope_parameters", None)
+    if isinstance(rope, dict) and "mrope_section" in rope and "head_dim" in given:
+        half = given["head_dim"] // 2
+        given["rope_parameters"] = dict(rope, mrope_section=[half - 2 * (half // 4)] + [half // 4] * 2)
+    try:
+        return cls(**given)
+    except Exception as exc:
+        if "num_key_value_heads" not in str(exc) or "num_key_value_heads" not in given:
+            raise
+        return cls(**dict(given, num_key_value_heads=given.get("num_attention_heads", 4)))
 
 
 def model_class(model_type: str):

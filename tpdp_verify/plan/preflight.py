@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import pickle
 import warnings
 
@@ -167,11 +168,14 @@ def _split_heads(key: str, path: str, linear: nn.Linear, owner: nn.Module | None
             f"use a tp that divides {width // head_dim}, or leave {path!r} out of the plan"]
 
 
-def _checksums(model: nn.Module) -> dict[str, tuple[float, float]]:
+def _checksums(model: nn.Module) -> dict[str, str]:
+    """Each parameter's and buffer's bytes, digested: equal exactly where the values are.
+    (A float sum is not: its order, and so its last bits, follow the process's thread count,
+    and the ranks run one thread where this process runs several.)"""
     out = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        flat = t.detach().double().flatten()
-        out[name] = (flat.sum().item(), (flat * torch.arange(1, len(flat) + 1, dtype=torch.float64)).sum().item())
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[name] = hashlib.blake2b(data, digest_size=16).hexdigest()
     return out
 
 
