@@ -110,7 +110,8 @@ def test_transformers_own_stack_trains_like_one_device_and_like_its_dp_alone(poo
     report = through_the_stack(model_fn, mesh=(2, 2), pool=pool4)
     assert report.status == "pass", str(report)
     lines = {x.check: x for x in report.lines}
-    assert f"sharded {sharded} parameters by TP and wrapped DP itself (fully_shard)" in lines["plan keys resolve"].detail
+    said = lines["plan keys resolve"].detail
+    assert f"sharded {sharded} parameters by TP and wrapped DP itself (fully_shard)" in said
     assert lines["gradients vs plain DDP"].compared > 0 and lines["everything else vs plain DDP"].compared > 0
     assert lines["registry preserved"].compared > 0 and lines["gradients vs one device"].compared > 0
 
@@ -130,7 +131,8 @@ def test_moe_experts_run_as_they_come_and_eagerly_in_the_exact_run(pool4):
     assert report.status == "pass", str(report)
     assert report.one_device.substituted == [
         "the MoE experts ran eagerly (experts_implementation 'eager' for 'grouped_mm', which has no float64 kernel)"]
-    assert "the exact run (one device, float64) substituted: the MoE experts ran eagerly" in " ".join(str(report).split())
+    said = " ".join(str(report).split())
+    assert "the exact run (one device, float64) substituted: the MoE experts ran eagerly" in said
     assert report.to_dict()["exact_run_substituted"] == report.one_device.substituted
 
 

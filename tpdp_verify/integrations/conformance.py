@@ -32,7 +32,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            mamba_n_heads=4, index_n_heads=4, index_head_dim=8, index_topk=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, global_head_dim=8)
+            mamba_n_heads=4, index_n_heads=4, index_head_dim=8, index_topk=8, vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8, global_head_dim=8)
 MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
@@ -162,6 +163,7 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     from tpdp_verify import verify_plan
     from tpdp_verify.errors import UsageError
     from tpdp_verify.integrations import transformers as stack
+    from tpdp_verify.integrations.findings import explained
 
     if layout.experts_only and not arch["experts"]:
         return {"result": "n/a", "detail": "no expert plan"}
@@ -175,9 +177,11 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
                              input_fn=tokens_and_labels if causal else tokens, loss_fn=own_loss if causal else None,
                              steps=2, pool=pools[math.prod(layout.mesh)], replay=replay(model_type, layout))
     except UsageError as exc:
-        return {"result": "not run", "detail": str(exc), "seconds": round(time.monotonic() - start, 1)}
+        return {"result": "not run", "detail": " ".join(str(exc).split()),
+                "seconds": round(time.monotonic() - start, 1)}
     said = str(report)
-    return {"result": report.status.label,
+    finding = None if report.ok else explained(model_type, said)
+    return {"result": report.status.label, "finding": finding.code if finding else "",
             "detail": "" if report.ok else _first_departure(said), "seconds": round(time.monotonic() - start, 1),
             "substituted": report.one_device.substituted}
 
@@ -233,20 +237,36 @@ def _write(args, rows: dict, layouts: list[Layout]) -> None:
 
 
 def markdown(rows: dict, layouts: list[Layout]) -> str:
+    """The table: a row an architecture, a cell a layout's verdict (a finding by its code),
+    after a count of each kind of cell and the findings' list."""
     import transformers
 
-    head = ["| architecture | model | " + " | ".join(f"{l.name} {'x'.join(map(str, l.mesh))}" for l in layouts) + " |",
-            "|---|---|" + "---|" * len(layouts)]
-    body = []
-    for model_type, row in rows.items():
-        cells = []
-        for layout in layouts:
-            cell = row["layouts"].get(layout.name, {"result": ""})
-            said = cell["result"] + (f": {cell['detail']}" if cell.get("detail") else "")
-            cells.append(said.replace("|", "\\|"))
-        body.append(f"| {model_type} | {row['model'] or ''} | " + " | ".join(cells) + " |")
-    return (f"transformers {transformers.__version__}, torch {torch.__version__}\n\n"
-            + "\n".join(head + body) + "\n")
+    from tpdp_verify.integrations.findings import FINDINGS
+
+    cells = {(k, l.name): _cell(row["layouts"].get(l.name)) for k, row in rows.items() for l in layouts}
+    kinds = sorted({c.split(":")[0] for c in cells.values()})
+    counts = ["| cell | " + " | ".join(l.name for l in layouts) + " |", "|---|" + "---|" * len(layouts)]
+    counts += [f"| {kind} | " + " | ".join(str(sum(cells[k, l.name].split(":")[0] == kind for k in rows))
+                                            for l in layouts) + " |" for kind in kinds]
+    found = [f"- **{f.code}** ({f.project}, {', '.join(f.architectures)}): {f.title}. At fault: `{f.source}`. "
+             f"Fix: {f.fix}. Reproduction: `python tpdp_verify/integrations/repros/{f.repro}`" for f in FINDINGS]
+    head = ["| architecture | model | " + " | ".join(f"{l.name} ({'x'.join(map(str, l.mesh))})" for l in layouts)
+            + " |", "|---|---|" + "---|" * len(layouts)]
+    body = [f"| {k} | {row['model'] or ''} | " + " | ".join(cells[k, l.name].replace("|", "\\|") for l in layouts)
+            + " |" for k, row in rows.items()]
+    return "\n".join([f"Measured on transformers {transformers.__version__}, torch {torch.__version__}: "
+                      f"{len(rows)} architectures.", "", *counts, "", "Findings:", "", *found, "", *head, *body]) + "\n"
+
+
+def _cell(row: dict | None) -> str:
+    """A layout's verdict as the table says it: PASS, n/a, a finding's code, or what departs."""
+    if row is None:
+        return ""
+    if row["result"] == "not run":
+        return "not run: " + row["detail"]
+    if row.get("finding"):
+        return f"{row['result']}: {row['finding']}"
+    return row["result"] + (f": {row['detail']}" if row.get("detail") else "")
 
 
 if __name__ == "__main__":

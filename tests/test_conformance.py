@@ -1,0 +1,72 @@
+"""A few rows of the transformers conformance table (tpdp_verify.integrations.conformance,
+docs/transformers-conformance.md), run as the command runs them: a dense, a tied, an MoE
+(with EP) and an MLA architecture, each on its tiny config, through transformers' own stack.
+Needs the hf extra (`make test` installs it)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra: pip install -c constraints.txt -e .[hf]")
+
+from tpdp_verify.integrations import conformance  # noqa: E402
+from tpdp_verify.integrations.findings import FINDINGS  # noqa: E402
+
+ROWS = {"llama": "dense", "gemma3_text": "tied", "mixtral": "MoE", "minicpm3": "MLA (mla_kv_a_proj)"}
+
+
+@pytest.mark.timeout(600)
+def test_a_dense_a_tied_an_moe_and_an_mla_architecture_pass_under_each_layout(tmp_path):
+    out = tmp_path / "rows.json"
+    table = tmp_path / "table.md"
+    assert conformance.main([*[f"-k{k}" for k in ROWS], "--layouts", "tp,tp_fsdp2,ep",
+                             "--json", str(out), "--markdown", str(table)]) == 0
+    rows = json.loads(out.read_text())
+    assert set(ROWS) <= set(rows)
+    for model_type in ROWS:
+        layouts = rows[model_type]["layouts"]
+        assert layouts["tp"]["result"] == "PASS" and layouts["tp_fsdp2"]["result"] == "PASS", (model_type, layouts)
+    assert rows["mixtral"]["layouts"]["ep"]["result"] == "PASS" and rows["mixtral"]["experts"]
+    assert rows["llama"]["layouts"]["ep"] == {"result": "n/a", "detail": "no expert plan"}
+    assert "mla_kv_a_proj" in rows["minicpm3"]["styles"]
+    assert rows["mixtral"]["layouts"]["tp"]["substituted"]  # grouped_mm's eager twin in the exact run
+    assert "| llama | LlamaForCausalLM | PASS | PASS | n/a: no expert plan |" in table.read_text()
+
+
+def test_a_tiny_config_keeps_one_layer_of_each_kind_and_what_tp_splits_divisible():
+    config = conformance.tiny_config("gemma3_text")
+    assert config.num_attention_heads % 2 == 0 and config.num_key_value_heads % 2 == 0 and config.vocab_size == 64
+    mla = conformance.tiny_config("minicpm3")
+    assert mla.num_key_value_heads == mla.num_attention_heads  # MLA's heads are key-value heads too
+    hybrid = conformance.tiny_config("jamba")  # its layer kinds follow a period: enough layers for each
+    assert {"linear_attention", "full_attention"} <= set(hybrid.layer_types[:hybrid.num_hidden_layers])
+
+
+def test_a_config_the_derivation_leaves_large_is_refused_on_the_meta_device(monkeypatch):
+    monkeypatch.setattr(conformance, "MAX_PARAMETERS", 1000)
+    with pytest.raises(ValueError, match=r"^the tiny config still makes \d+\.\dM parameters \(model\.embed_tokens"
+                                         r"\.weight: \[64, 32\]\), beyond 0M: a size field of LlamaConfig"):
+        conformance.Tiny("llama")()
+
+
+@pytest.mark.timeout(600)
+def test_a_row_that_departs_is_named_by_its_finding(tmp_path):
+    """Apertus's xIELU scalars, which its plan leaves unreduced over tp: the row says T1."""
+    out = tmp_path / "rows.json"
+    assert conformance.main(["-kapertus", "--layouts", "tp", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["apertus"]["layouts"]["tp"]
+    assert (row["result"], row["finding"]) == ("DIVERGES", "T1"), row
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("finding", FINDINGS, ids=[f.code for f in FINDINGS])
+def test_each_findings_reproduction_shows_it_with_torch_and_transformers_alone(finding):
+    """Each reproduction stands alone (python FILE) and exits 1 while the fault is there; it
+    imports nothing of tpdp-verify."""
+    text = finding.repro_path.read_text()
+    assert "tpdp_verify" not in text and "from transformers" in text
+    ran = subprocess.run([sys.executable, str(finding.repro_path)], capture_output=True, text=True, timeout=280)
+    assert ran.returncode == 1 and ran.stdout.splitlines()[-1] == "fault present", ran.stdout + ran.stderr[-2000:]
+    assert finding.project == "transformers" and finding.source.startswith("transformers.models.")
