@@ -171,8 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="an issue ready to file upstream, for a fault or a gate's finding",
                                  description="For a FAULT of the catalog: its standalone reproduction run under "
                                  "this interpreter and each --python, torch's code at fault, the workaround. For "
-                                 "a gate's --json FILE: its blocking finding (--finding K), from the shrunk case.")
-    report.add_argument("target", metavar="FAULT|GATE.json")
+                                 "a gate's --json FILE: its blocking finding (--finding K), from the shrunk case. "
+                                 "For another project's finding (T1, ...: transformers'), the issue for that "
+                                 "project, its reproduction run here.")
+    report.add_argument("target", metavar="FAULT|GATE.json|T1")
     report.add_argument("--finding", type=int, default=1, metavar="K", help="the K-th blocking finding (default 1)")
     report.add_argument("--python", action="append", metavar="PATH",
                         help="run the reproduction under this interpreter too (its torch release), repeatable")
@@ -707,8 +709,13 @@ def _docs(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from tpdp_verify.faults import issue
+    from tpdp_verify.integrations import findings
+    from tpdp_verify.integrations.findings import FINDINGS
 
-    if args.target.endswith(".json") or os.path.sep in args.target:
+    finding = next((f for f in FINDINGS if f.code == args.target.upper()), None)
+    if finding is not None:  # another project's fault (transformers'), found by the conformance table
+        print(findings.issue(finding, runs=not args.no_run), end="")
+    elif args.target.endswith(".json") or os.path.sep in args.target:
         print(issue.for_finding(issue.load(args.target), args.finding), end="")
     else:
         print(issue.for_fault(_fault(args.target), issue.interpreters(args.python), runs=not args.no_run), end="")

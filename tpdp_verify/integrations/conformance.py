@@ -182,7 +182,7 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     said = str(report)
     finding = None if report.ok else explained(model_type, said)
     return {"result": report.status.label, "finding": finding.code if finding else "",
-            "detail": "" if report.ok else _first_departure(said), "seconds": round(time.monotonic() - start, 1),
+            "detail": "" if report.ok else _departure(report), "seconds": round(time.monotonic() - start, 1),
             "substituted": report.one_device.substituted}
 
 
@@ -190,11 +190,13 @@ def replay(model_type: str, layout: Layout) -> str:
     return f"python -m tpdp_verify.integrations.conformance -k {model_type} --layouts {layout.name}"
 
 
-def _first_departure(said: str) -> str:
-    lines = [ln.strip() for ln in said.splitlines()]
-    keep = [ln for ln in lines if ln.startswith(("the module whose forward raised", "every rank trains",
-                                                  "first departs", "TP+DP departs"))]
-    return " ".join((keep or lines[:1])[:2])[:300]
+def _departure(report) -> str:
+    """Where and how a report departs, in a line: the first module, the first failed check."""
+    verdict = report.one_device if not report.one_device.ok else report.plain_ddp
+    failed = next((c for c in verdict.checks if not c.ok), None)
+    said = f"{failed.name}: {failed.detail}" if failed else "values beyond their bound"
+    where = f"{verdict.module_is or 'first departs at'} {verdict.first_module}: " if verdict.first_module else ""
+    return " ".join((where + said).split())[:300]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ project's.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,9 +53,45 @@ FINDINGS = (
             "transformers.models.doge.configuration_doge:DogeConfig.base_model_tp_plan (dt_proj: rowwise)",
             "keep dt_proj's output and A to the rank's kv heads (a rowwise dt_proj sliced to the local heads)",
             "t3_doge_mask_over_every_head.py"),
+    Finding("T4", "transformers", ("esmc",), ("expected input with shape",),
+            "ESM C's attention cannot run under its own TP plan: its query and key norms normalize over every head",
+            "transformers.models.esmc.configuration_esmc:EsmcConfig.base_model_tp_plan (q_proj, k_proj: colwise)",
+            "q_proj and k_proj colwise_gather_output (the norms see every head), or norms that all-reduce their "
+            "statistics over tp",
+            "t4_esmc_norm_over_every_head.py"),
 )
 
 
 def explained(model_type: str, said: str) -> Finding | None:
     """The finding a row's departure is, where one is."""
     return next((f for f in FINDINGS if f.explains(model_type, said)), None)
+
+
+def issue(f: Finding, runs: bool = True) -> str:
+    """``tpdp-verify report T1``: the issue for ``f``, ready to file with its project: what is
+    wrong (its reproduction's own account), the reproduction and what it printed here, where,
+    the fix, the versions."""
+    import ast
+    from importlib import metadata
+
+    from tpdp_verify.faults import issue as faults_issue
+
+    text = f.repro_path.read_text()
+    told = (ast.get_docstring(ast.parse(text)) or "").split("\n\n", 1)
+    what = told[1].rsplit("\nRun:", 1)[0].strip() if len(told) > 1 else f.title
+    out = [f"title: [TP] {f.title}", "", "### What is wrong", "", what, "",
+           "### Reproduction", "",
+           f"Needs torch and {f.project}; spawns its own 2 gloo ranks on the CPU and shards the model as "
+           f"{f.project} does. Save as `{f.repro}` and run `python {f.repro}`: it prints what was expected "
+           "and what the ranks did, and exits 1 while the fault is present, 0 once it is fixed.", "",
+           "```python", text.rstrip(), "```", ""]
+    if runs:
+        shown = faults_issue.run(f, sys.executable)
+        out += ["### Expected and actual", "", f"torch {shown.torch}, {f.project} {metadata.version(f.project)}: "
+                f"{shown.verdict}", "", "```", faults_issue.unlocal(shown.output) or "(nothing printed)", "```", ""]
+    out += ["### Where", "", f"`{f.source}`", "", "### Fix", "", f.fix[:1].upper() + f.fix[1:] + ".", "",
+            "### Environment", "", f"{f.project} {metadata.version(f.project)}", "", "```",
+            faults_issue.environment(), "```", "",
+            f"Found by tpdp-verify (finding {f.code} of its {f.project} conformance table: "
+            "`tpdp-verify docs transformers-conformance`)."]
+    return "\n".join(out) + "\n"
