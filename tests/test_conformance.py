@@ -52,12 +52,19 @@ def test_a_config_the_derivation_leaves_large_is_refused_on_the_meta_device(monk
 
 
 @pytest.mark.timeout(600)
-def test_a_row_that_departs_is_named_by_its_finding(tmp_path):
-    """Apertus's xIELU scalars, which its plan leaves unreduced over tp: the row says T1."""
+def test_a_row_that_departs_is_named_by_its_finding_and_else_fails_the_run(tmp_path, monkeypatch, capsys):
+    """Apertus's xIELU scalars, which its plan leaves unreduced over tp: the row says T1 and
+    the run passes; with no finding to name it, the same row fails the run (exit 1)."""
+    from tpdp_verify.integrations import findings
+
     out = tmp_path / "rows.json"
     assert conformance.main(["-kapertus", "--layouts", "tp", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["apertus"]["layouts"]["tp"]
-    assert (row["result"], row["finding"]) == ("DIVERGES", "T1"), row
+    assert (row["result"], row["departs"], row["finding"]) == ("DIVERGES", True, "T1"), row
+    monkeypatch.setattr(findings, "FINDINGS", ())
+    assert conformance.main(["-kapertus", "--layouts", "tp"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == ("1 architectures, 1 cells; 1 depart with no finding to "
+                                                        "explain them, or had no verdict: apertus tp")
 
 
 @pytest.mark.timeout(300)

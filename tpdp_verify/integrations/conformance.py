@@ -161,14 +161,14 @@ def architectures(only: list[str] | None = None) -> dict[str, dict]:
 def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     """One architecture under one layout: its verdict, or why it could not run."""
     from tpdp_verify import verify_plan
-    from tpdp_verify.errors import UsageError
+    from tpdp_verify.errors import PoolError, UsageError
     from tpdp_verify.integrations import transformers as stack
     from tpdp_verify.integrations.findings import explained
 
     if layout.experts_only and not arch["experts"]:
         return {"result": "n/a", "detail": "no expert plan"}
     if arch["model"] is None:
-        return {"result": "not run", "detail": "transformers maps no model class to this config alone"}
+        return {"result": "composite part", "detail": "transformers maps no model class to this config alone"}
     causal = arch["model"].endswith("ForCausalLM")
     start = time.monotonic()
     try:
@@ -179,9 +179,11 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     except UsageError as exc:
         return {"result": "not run", "detail": " ".join(str(exc).split()),
                 "seconds": round(time.monotonic() - start, 1)}
+    except PoolError as exc:  # the ranks would not start again: the harness's, no verdict
+        return {"result": "INFRA", "detail": " ".join(str(exc).split()), "seconds": round(time.monotonic() - start, 1)}
     said = str(report)
     finding = None if report.ok else explained(model_type, said)
-    return {"result": report.status.label, "finding": finding.code if finding else "",
+    return {"result": report.status.label, "departs": not report.ok, "finding": finding.code if finding else "",
             "detail": "" if report.ok else _departure(report), "seconds": round(time.monotonic() - start, 1),
             "substituted": report.one_device.substituted}
 
@@ -200,35 +202,58 @@ def _departure(report) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpdp_verify.ranks.pool import RankPool, warm_up
-
+    """Exit 0 when every row that departs is a known finding, 1 when one is not (a new one to
+    look at), 2 on bad arguments."""
     parser = argparse.ArgumentParser(prog="python -m tpdp_verify.integrations.conformance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", dest="only", action="append", help="architectures whose model_type holds this")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=list(LAYOUTS), type=_layouts,
+                        help=f"comma separated, of {', '.join(LAYOUTS)} (default: all)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--markdown", help="write the table here")
-    parser.add_argument("--rank-output", default=None, help="a directory for the ranks' output (default: a "
-                        "temporary one)")
+    parser.add_argument("--rank-output", help="a directory for the ranks' output (default: a temporary one)")
     args = parser.parse_args(argv)
-    layouts = [LAYOUTS[n] for n in args.layouts.split(",")]
+    layouts = [LAYOUTS[n] for n in args.layouts]
     archs = architectures(args.only)
+    if not archs:
+        parser.error(f"no architecture of transformers' that ships a TP plan has a model_type holding "
+                     f"{' or '.join(map(repr, args.only))}")
     rows: dict[str, dict] = {k: {**v, "layouts": {}} for k, v in archs.items()}
-    logs = args.rank_output or tempfile.mkdtemp(prefix="tpdp-conformance-")
+    with tempfile.TemporaryDirectory(prefix="tpdp-conformance-") as scratch:
+        _run(rows, layouts, args, args.rank_output or scratch)
+    new = [(k, n) for k, row in rows.items() for n, cell in row["layouts"].items()
+           if cell.get("departs") and not cell.get("finding") or cell["result"] == "INFRA"]
+    print(f"{len(rows)} architectures, {sum(len(r['layouts']) for r in rows.values())} cells; "
+          + (f"{len(new)} depart with no finding to explain them, or had no verdict: "
+             f"{', '.join(f'{k} {n}' for k, n in new)}" if new else "every departure is a known finding"))
+    return 1 if new else 0
+
+
+def _layouts(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    wrong = [n for n in names if n not in LAYOUTS]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(wrong) or repr(text)}: layouts are {', '.join(LAYOUTS)}")
+    return names
+
+
+def _run(rows: dict, layouts: list[Layout], args, logs: str) -> None:
+    """Every row under every layout, on one pool a world size; the outputs written after each."""
+    from tpdp_verify.ranks.pool import RankPool, warm_up
+
     warm_up(("transformers", "tpdp_verify.integrations.transformers", __name__))
     pools = {world: RankPool(world, timeout=120.0, output=logs)
              for world in sorted({math.prod(layout.mesh) for layout in layouts})}
     try:
-        for model_type, arch in archs.items():
+        for model_type, row in rows.items():
             for layout in layouts:
-                row = run_row(model_type, arch, layout, pools)
-                rows[model_type]["layouts"][layout.name] = row
-                print(f"{model_type:32} {layout.name:9} {row['result']:10} {row.get('detail', '')[:120]}", flush=True)
+                cell = row["layouts"][layout.name] = run_row(model_type, row, layout, pools)
+                print(f"{model_type:32} {layout.name:9} {cell['result']:10} {cell.get('detail', '')[:120]}",
+                      flush=True)
                 _write(args, rows, layouts)
     finally:
         for pool in pools.values():
             pool.close()
-    return 0
 
 
 def _write(args, rows: dict, layouts: list[Layout]) -> None:
@@ -236,6 +261,28 @@ def _write(args, rows: dict, layouts: list[Layout]) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(markdown(rows, layouts))
+
+
+INTRO = ("# transformers conformance",
+         "",
+         "Every architecture of the installed transformers whose config ships a `base_model_tp_plan`, built",
+         "from its config class with every size small (`TINY` in tpdp_verify/integrations/conformance.py:",
+         "heads, key-value heads and experts divisible by 2, one layer of each kind), trained 2 steps",
+         "through transformers' own stack (`tpdp-verify plan --stack transformers`: its TP layers, its EP,",
+         "its FSDP2 with the model's `fsdp_plan`) and judged against one device in float64 and against",
+         "transformers' own DP alone. A causal LM trains on its own loss from labels; a base model on the",
+         "mean square of its output. Regenerate (about 40 minutes on 2 cores):",
+         "",
+         "    python -m tpdp_verify.integrations.conformance --markdown docs/transformers-conformance.md",
+         "",
+         "A cell is PASS; n/a (EP for an architecture without an expert plan); DIVERGES with a finding's",
+         "code (below: whose code, its reproduction, `tpdp-verify report T1` drafts the issue), or with where",
+         "and how it departs where no finding explains it yet; composite part: a config class transformers",
+         "maps no model class to alone (a part of a composite model); or not run, with why: a tiny config",
+         "or token input this derivation does not fit to the architecture (a limitation of the table, not a",
+         "verdict: the architecture's own tester config would lift it). Layouts: tp",
+         "(DistributedConfig(tp_size=2)), tp_fsdp2 (fsdp_size=2), hsdp (dp_replicate_size=2), ep (ep_size=2,",
+         "experts split by expert).")
 
 
 def markdown(rows: dict, layouts: list[Layout]) -> str:
@@ -256,16 +303,17 @@ def markdown(rows: dict, layouts: list[Layout]) -> str:
             + " |", "|---|---|" + "---|" * len(layouts)]
     body = [f"| {k} | {row['model'] or ''} | " + " | ".join(cells[k, l.name].replace("|", "\\|") for l in layouts)
             + " |" for k, row in rows.items()]
-    return "\n".join([f"Measured on transformers {transformers.__version__}, torch {torch.__version__}: "
-                      f"{len(rows)} architectures.", "", *counts, "", "Findings:", "", *found, "", *head, *body]) + "\n"
+    return "\n".join([*INTRO, "", f"Measured on transformers {transformers.__version__}, torch {torch.__version__}, "
+                      f"2 cores, gloo: {len(rows)} architectures.", "", "## Count", "", *counts, "",
+                      "## Findings", "", *found, "", "## The table", "", *head, *body]) + "\n"
 
 
 def _cell(row: dict | None) -> str:
     """A layout's verdict as the table says it: PASS, n/a, a finding's code, or what departs."""
     if row is None:
         return ""
-    if row["result"] == "not run":
-        return "not run: " + row["detail"]
+    if row["result"] in ("not run", "composite part"):
+        return f"{row['result']}: {row['detail']}"
     if row.get("finding"):
         return f"{row['result']}: {row['finding']}"
     return row["result"] + (f": {row['detail']}" if row.get("detail") else "")
