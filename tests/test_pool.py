@@ -377,3 +377,22 @@ def test_the_fork_server_starts_under_a_temp_dir_too_long_for_its_socket(tmp_pat
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "started", out.stderr[-2000:]
     assert list(long.iterdir()) == []
+
+
+def test_a_file_that_shadows_a_standard_module_beside_the_script_is_named_not_an_eof(tmp_path):
+    """The fork server imports with the caller's sys.path, whose first entry is the script's
+    directory: an enum.py there stood in for the standard enum and the server died, which
+    reached the user as multiprocessing's bare 'EOFError: unexpected EOF'. Now a PoolError
+    names the file."""
+    import subprocess
+    import sys
+
+    (tmp_path / "enum.py").write_text("raise ImportError('not the standard enum')\n")
+    (tmp_path / "use_pool.py").write_text(
+        "from tpdp_verify.errors import PoolError\nfrom tpdp_verify.ranks.pool import RankPool\n"
+        "if __name__ == '__main__':\n    try:\n        RankPool(2)\n    except PoolError as exc:\n"
+        "        print(exc)\n")
+    out = subprocess.run([sys.executable, "use_pool.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == (f"the ranks' fork server ended as it started a rank: {tmp_path / 'enum.py'} "
+                                  "shadows the standard library's module of that name there; rename it"), \
+        out.stdout + out.stderr[-2000:]

@@ -115,6 +115,19 @@ def _start_server(ctx) -> None:
             os.close(null)
 
 
+def _server_died() -> str:
+    """Why the ranks' fork server would end as it starts a rank, in a line: it imports torch
+    and the preloaded modules with this process's sys.path, whose first entry is the script's
+    (or the current) directory, so a file there named as a standard module (enum.py, types.py)
+    stands in for it. This process imported the real one before that entry was put first."""
+    shadows = sorted(f"{os.path.join(d or os.getcwd(), name)}.py" for d in sys.path[:1]
+                     for name in getattr(sys, "stdlib_module_names", ())
+                     if os.path.isfile(os.path.join(d or os.getcwd(), f"{name}.py")))
+    return ("the ranks' fork server ended as it started a rank"
+            + (f": {', '.join(shadows)} shadows the standard library's module of that name there; rename it"
+               if shadows else "; TPDP_VERIFY_START_METHOD=spawn starts each rank afresh and shows its error"))
+
+
 # An AF_UNIX socket's path holds at most 107 bytes; the fork server's is
 # TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, 33 bytes past TMPDIR.
 _SOCKET_PATH_MAX, _SOCKET_PAST_TMPDIR = 107, 33
@@ -296,7 +309,10 @@ class _Ranks:
                 name=f"tpdp-rank-{rank}",
                 daemon=True,
             )
-            proc.start()
+            try:
+                proc.start()
+            except EOFError:  # the fork server died importing what every rank imports
+                raise PoolError(_server_died()) from None
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
