@@ -39,7 +39,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             hidden_size_per_layer_input=8, global_head_dim=8,
             # dropout off: its draws differ by design between a sharded and an unsharded run
             attention_dropout=0.0, hidden_dropout=0.0, dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+            attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, residual_dropout=0.0,
+            classifier_dropout=0.0)
 MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
@@ -277,7 +278,7 @@ INTRO = ("# transformers conformance",
          "through transformers' own stack (`tpdp-verify plan --stack transformers`: its TP layers, its EP,",
          "its FSDP2 with the model's `fsdp_plan`) and judged against one device in float64 and against",
          "transformers' own DP alone. A causal LM trains on its own loss from labels; a base model on the",
-         "mean square of its output. Regenerate (about 40 minutes on 2 cores):",
+         "mean square of its output. Regenerate (about 25 minutes on 2 cores):",
          "",
          "    python -m tpdp_verify.integrations.conformance --markdown docs/transformers-conformance.md",
          "",
