@@ -26,8 +26,11 @@ def test_the_reproduction_needs_torch_alone(fault):
 def test_every_reproduction_spawns_its_ranks_by_the_same_block(tmp_path):
     """Each file stands alone, so each carries the spawn, rendezvous (loopback only) and
     timeout code: fault 1's block, the same bytes in every file. A fix is made there once
-    and copied by `python -m tpdp_verify.faults.spawn_block`, which this checks too."""
-    paths = [f.repro_path for f in faults.CATALOG]
+    and copied by `python -m tpdp_verify.faults.spawn_block` (and, given the files, into
+    transformers' findings' reproductions), which this checks too."""
+    from tpdp_verify.integrations.findings import FINDINGS  # another project's faults' reproductions too
+
+    paths = [f.repro_path for f in faults.CATALOG] + [f.repro_path for f in FINDINGS]
     assert all(spawn_block.block(p) for p in paths)
     assert not spawn_block.differing(paths), "run python -m tpdp_verify.faults.spawn_block: " + ", ".join(
         p.name for p in spawn_block.differing(paths))

@@ -32,9 +32,11 @@ def sync(paths: list[Path]) -> list[Path]:
     return changed
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m tpdp_verify.faults.spawn_block [FILE ...]: the catalog's, and those given
+    import sys
+
     from tpdp_verify.faults import CATALOG
 
-    done = sync([f.repro_path for f in CATALOG])
+    done = sync([f.repro_path for f in CATALOG] + [Path(p) for p in sys.argv[1:]])
     print(f"copied fault {CATALOG[0].number}'s spawn block into {len(done)} files"
           + "".join(f"\n  {p.name}" for p in done))

@@ -41,7 +41,7 @@ def distribute(model: nn.Module, mesh, *, tp: bool = True, **config) -> nn.Modul
     if distributed.tp_size == 1 and distributed.dp_size == 1 and distributed.ep_size == 1:
         return model  # transformers applies nothing (prepare_distribute_model returns no mesh)
     dense = _mesh((1, replicas, shards, tp_ranks), DENSE)
-    if not (dense["tp"].mesh.tolist() == mesh["tp"].mesh.tolist()):
+    if dense["tp"].mesh.tolist() != mesh["tp"].mesh.tolist():
         raise RuntimeError(f"transformers' mesh {dense} does not hold the harness's tp groups {mesh}")
     expert_ranks = distributed.ep_size if distributed.ep_size > 1 else 1
     expert = _mesh((1, replicas, shards * tp_ranks // expert_ranks, expert_ranks), EXPERT)
