@@ -27,7 +27,8 @@ LAYERS = (
     ("tpdp_verify.judging",),
     ("tpdp_verify.oracles",),
     ("tpdp_verify.runner",),
-    ("tpdp_verify", "tpdp_verify.properties"),  # the interfaces, and the suite beside them
+    # the interfaces, the suite beside them, and the transformers table that drives verify_plan
+    ("tpdp_verify", "tpdp_verify.properties", "tpdp_verify.integrations.conformance"),
 )
 SUITE = "tpdp_verify.properties"
 
