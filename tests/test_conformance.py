@@ -53,17 +53,20 @@ def test_a_config_the_derivation_leaves_large_is_refused_on_the_meta_device(monk
 
 @pytest.mark.timeout(600)
 def test_a_row_that_departs_is_named_by_its_finding_and_else_fails_the_run(tmp_path, monkeypatch, capsys):
-    """Apertus's xIELU scalars, which its plan leaves unreduced over tp: the row says T1 and
-    the run passes; with no finding to name it, the same row fails the run (exit 1)."""
+    """Apertus's xIELU scalars, which its plan leaves unreduced over tp: the row says T1;
+    Inkling's normed embedding meets torch's fault 38; the run passes. With no finding to
+    name Apertus's, its row fails the run (exit 1)."""
     from tpdp_verify.integrations import findings
 
     out = tmp_path / "rows.json"
-    assert conformance.main(["-kapertus", "--layouts", "tp", "--json", str(out)]) == 0
-    row = json.loads(out.read_text())["apertus"]["layouts"]["tp"]
-    assert (row["result"], row["departs"], row["finding"]) == ("DIVERGES", True, "T1"), row
+    assert conformance.main(["-kapertus", "-kinkling_text", "--layouts", "tp", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    cells = {k: rows[k]["layouts"]["tp"] for k in ("apertus", "inkling_text")}
+    assert [(c["result"], c["departs"], c["finding"]) for c in cells.values()] == [
+        ("DIVERGES", True, "T1"), ("DIVERGES", True, "fault 38")], cells
     monkeypatch.setattr(findings, "FINDINGS", ())
-    assert conformance.main(["-kapertus", "--layouts", "tp"]) == 1
-    assert capsys.readouterr().out.splitlines()[-1] == ("1 architectures, 1 cells; 1 depart with no finding to "
+    assert conformance.main(["-kapertus", "-kinkling_text", "--layouts", "tp"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == ("2 architectures, 2 cells; 1 depart with no finding to "
                                                         "explain them, or had no verdict: apertus tp")
 
 

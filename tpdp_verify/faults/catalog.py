@@ -1499,4 +1499,31 @@ hang; with more columns the view is refused (the exclusion `fused_parts_of_one_r
     ),
     repro='f37_view_of_parts_of_one_row.py',
 ),
+Fault(
+    number=38,
+    name='vocab-sharded embedding output reduced once',
+    title="The output of a vocab-sharded embedding can be reduced once: a program that uses it twice raises",
+    what="""An embedding whose weight is sharded on the vocabulary (`Shard(0)`, a vocab-parallel input
+embedding) leaves its output `_MaskPartial`: each rank's partial lookup, with the mask of the rows it
+looked up waiting in a `MaskBuffer` for the reduction. `_MaskPartial._reduce_value` applies the mask,
+releases the buffer and all-reduces, so the output can be reduced once. A program that uses it
+twice before reducing it, as an RMSNorm of the embedding does (`x * rsqrt(mean(x ** 2))`), reduces
+it twice, and the second finds no mask: a bare `AssertionError` in `_reduce_value`.
+
+- **Caught by:** the transformers conformance table (docs/transformers-conformance.md): Inkling's and
+  MuseGlimmer's normed embeddings (an `nn.Embedding` whose forward applies its norm) under
+  transformers' own TP, which shards every input embedding on the vocabulary; and its
+  reproduction.""",
+    consequence="""a model that normalizes, scales twice or adds its embedding to itself before anything
+  reduces it cannot run with a vocab-sharded embedding: its forward raises an AssertionError with
+  no message.""",
+    workaround="""reduce the embedding's output before its second use: `x.redistribute(placements=[Replicate()])`
+  (or `full_tensor()`) right after the lookup, as `RowwiseParallel`'s output layouts do.""",
+    fix="redistribute a vocab-sharded embedding's output to Replicate() before using it twice",
+    entry_points=(),
+    apis=('torch.nn.functional.embedding', 'DTensor.redistribute'),
+    source=('torch.distributed.tensor.placement_types:_MaskPartial._reduce_value',),
+    shows=(),
+    repro='f38_mask_partial_reduced_once.py',
+),
 )

@@ -189,8 +189,8 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     except PoolError as exc:  # the ranks would not start again: the harness's, no verdict
         return {"result": "INFRA", "detail": " ".join(str(exc).split()), "seconds": round(time.monotonic() - start, 1)}
     said = str(report)
-    finding = None if report.ok else explained(model_type, said)
-    return {"result": report.status.label, "departs": not report.ok, "finding": finding.code if finding else "",
+    finding = "" if report.ok else explained(model_type, said)
+    return {"result": report.status.label, "departs": not report.ok, "finding": finding,
             "detail": "" if report.ok else _departure(report), "seconds": round(time.monotonic() - start, 1),
             "substituted": report.one_device.substituted}
 
@@ -283,7 +283,8 @@ INTRO = ("# transformers conformance",
          "    python -m tpdp_verify.integrations.conformance --markdown docs/transformers-conformance.md",
          "",
          "A cell is PASS; n/a (EP for an architecture without an expert plan); DIVERGES with a finding's",
-         "code (below: whose code, its reproduction, `tpdp-verify report T1` drafts the issue), or with where",
+         "code (below: whose code, its reproduction, `tpdp-verify report T1` drafts the issue) or a torch",
+         "fault of the catalog (docs/known-divergences.md), or with where",
          "and how it departs where no finding explains it yet; composite part: a config class transformers",
          "maps no model class to alone (a part of a composite model); or not run, with why: a tiny config",
          "or token input this derivation does not fit to the architecture (a limitation of the table, not a",
@@ -297,7 +298,10 @@ def markdown(rows: dict, layouts: list[Layout]) -> str:
     after a count of each kind of cell and the findings' list."""
     import transformers
 
-    from tpdp_verify.integrations.findings import FINDINGS
+    from tpdp_verify.faults import CATALOG
+    from tpdp_verify.integrations.findings import FINDINGS, TORCH_FAULTS
+
+    catalog = {f.number: f for f in CATALOG}
 
     cells = {(k, l.name): _cell(row["layouts"].get(l.name)) for k, row in rows.items() for l in layouts}
     kinds = sorted({c.split(":")[0] for c in cells.values()})
@@ -306,6 +310,8 @@ def markdown(rows: dict, layouts: list[Layout]) -> str:
                                             for l in layouts) + " |" for kind in kinds]
     found = [f"- **{f.code}** ({f.project}, {', '.join(f.architectures)}): {f.title}. At fault: `{f.source}`. "
              f"Fix: {f.fix}. Reproduction: `python tpdp_verify/integrations/repros/{f.repro}`" for f in FINDINGS]
+    found += [f"- **fault {n}** (torch, {', '.join(seen.architectures)}): {catalog[n].title}. "
+              f"`tpdp-verify explain {n}`; reproduction: `tpdp-verify report {n}`" for n, seen in TORCH_FAULTS.items()]
     head = ["| architecture | model | " + " | ".join(f"{l.name} ({'x'.join(map(str, l.mesh))})" for l in layouts)
             + " |", "|---|---|" + "---|" * len(layouts)]
     body = [f"| {k} | {row['model'] or ''} | " + " | ".join(cells[k, l.name].replace("|", "\\|") for l in layouts)

@@ -71,9 +71,21 @@ FINDINGS = (
 )
 
 
-def explained(model_type: str, said: str) -> Finding | None:
-    """The finding a row's departure is, where one is."""
-    return next((f for f in FINDINGS if f.explains(model_type, said)), None)
+# torch's own faults (tpdp_verify.faults' catalog) that the conformance table meets: the fault's
+# number -> the architectures and the marks of its departures there
+TORCH_FAULTS = {
+    38: Finding("38", "torch", ("inkling_text", "muse_glimmer_text"), ("placement_types.py:_reduce_value",),
+                "", "", "", ""),
+}
+
+
+def explained(model_type: str, said: str) -> str:
+    """What a row's departure is, where it is known: a finding's code (T1), or a catalogued
+    torch fault's label (fault 38); "" where nothing explains it."""
+    found = next((f for f in FINDINGS if f.explains(model_type, said)), None)
+    if found is not None:
+        return found.code
+    return next((f"fault {n}" for n, f in TORCH_FAULTS.items() if f.explains(model_type, said)), "")
 
 
 def issue(f: Finding, runs: bool = True) -> str:
