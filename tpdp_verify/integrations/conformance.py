@@ -204,7 +204,7 @@ def _departure(report) -> str:
     verdict = report.one_device if not report.one_device.ok else report.plain_ddp
     failed = next((c for c in verdict.checks if not c.ok), None)
     said = f"{failed.name}: {failed.detail}" if failed else "values beyond their bound"
-    where = f"{verdict.module_is or 'first departs at'} {verdict.first_module}: " if verdict.first_module else ""
+    where = f"{verdict.module_is} {verdict.first_module}: " if verdict.first_module else ""
     return " ".join((where + said).split())[:300]
 
 
