@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 REPROS = Path(__file__).resolve().parent / "repros"
 
@@ -33,10 +34,24 @@ class Finding:
         return REPROS / self.repro
 
     def explains(self, model_type: str, said: str) -> bool:
-        """Whether a departure of ``model_type`` whose report says ``said`` is this finding
-        (the report's lines are folded: a mark is looked for in its words, whitespace aside)."""
-        words = " ".join(said.split())
-        return model_type in self.architectures and any(m in words for m in self.marks)
+        return _explains(self, model_type, said)
+
+
+class Seen(NamedTuple):
+    """Where the conformance table meets a catalogued torch fault, and its departures' marks."""
+
+    architectures: tuple[str, ...]
+    marks: tuple[str, ...]
+
+    def explains(self, model_type: str, said: str) -> bool:
+        return _explains(self, model_type, said)
+
+
+def _explains(known: Finding | Seen, model_type: str, said: str) -> bool:
+    """Whether a departure of ``model_type`` whose report says ``said`` is ``known`` (the
+    report's lines are folded: a mark is looked for in its words, whitespace aside)."""
+    words = " ".join(said.split())
+    return model_type in known.architectures and any(m in words for m in known.marks)
 
 
 FINDINGS = (
@@ -72,10 +87,9 @@ FINDINGS = (
 
 
 # torch's own faults (tpdp_verify.faults' catalog) that the conformance table meets: the fault's
-# number -> the architectures and the marks of its departures there
+# number -> where, and the marks of its departures there
 TORCH_FAULTS = {
-    38: Finding("38", "torch", ("inkling_text", "muse_glimmer_text"), ("placement_types.py:_reduce_value",),
-                "", "", "", ""),
+    38: Seen(("inkling_text", "muse_glimmer_text"), ("placement_types.py:_reduce_value",)),
 }
 
 
