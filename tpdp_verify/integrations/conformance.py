@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import sys
@@ -41,6 +42,9 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             attention_dropout=0.0, hidden_dropout=0.0, dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, residual_dropout=0.0,
             classifier_dropout=0.0)
+# Sizes some configs take as their __post_init__'s keyword arguments, not as fields
+# (Gemma 4's and EmbeddingGemma 2's full-attention layers: a wider head, their own kv heads).
+TINY_BUILDER = dict(global_head_dim=8, num_global_key_value_heads=2)
 MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
@@ -95,6 +99,8 @@ def tiny_config(model_type: str):
         name = key if key in fields else aliases.get(key)
         if name in fields and name not in given:
             given[name] = value
+    builder = inspect.getsource(cls.__post_init__) if "__post_init__" in vars(cls) else ""
+    given |= {k: v for k, v in TINY_BUILDER.items() if k not in fields and f'"{k}"' in builder}
     if "kv_lora_rank" in given and "num_key_value_heads" in given:  # MLA: a key-value head a head
         given["num_key_value_heads"] = given["num_attention_heads"]
     types = list(getattr(default, "layer_types", None) or ())
