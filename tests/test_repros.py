@@ -34,6 +34,13 @@ def test_every_reproduction_spawns_its_ranks_by_the_same_block(tmp_path):
     assert all(spawn_block.block(p) for p in paths)
     assert not spawn_block.differing(paths), "run python -m tpdp_verify.faults.spawn_block: " + ", ".join(
         p.name for p in spawn_block.differing(paths))
+    from tpdp_verify.integrations.findings import BLOCKS
+
+    for marker, codes in BLOCKS.items():  # the steps the findings' reproductions of a kind share
+        kind = [f.repro_path for f in FINDINGS if f.code in codes]
+        assert len(kind) == len(codes) >= 2 and all(spawn_block.block(p, marker) for p in kind)
+        assert not spawn_block.differing(kind, marker), "run python -m tpdp_verify.integrations.findings"
+        assert spawn_block.block(kind[0]).startswith(spawn_block.MARKER)  # the spawn block still the last
     copies = []
     for p in paths[:3]:
         copies.append(tmp_path / p.name)
@@ -41,6 +48,13 @@ def test_every_reproduction_spawns_its_ranks_by_the_same_block(tmp_path):
     copies[1].write_text(copies[1].read_text().replace("GRACE_S)", "GRACE_S + 1)"))  # an edit the block lost
     assert spawn_block.differing(copies) == [copies[1]] and spawn_block.sync(copies) == [copies[1]]
     assert copies[1].read_text() == paths[1].read_text() and not spawn_block.differing(copies)
+    marker, codes = next(iter(BLOCKS.items()))  # a block in the middle of a file: copied in its place
+    kind = [tmp_path / f.repro_path.name for f in FINDINGS if f.code in codes[:2]]
+    for f, copy in zip([f for f in FINDINGS if f.code in codes[:2]], kind):
+        copy.write_text(f.repro_path.read_text())
+    kind[1].write_text(kind[1].read_text().replace('"ran"', '"it ran"', 1))
+    assert spawn_block.differing(kind, marker) == [kind[1]] and spawn_block.sync(kind, marker) == [kind[1]]
+    assert kind[1].read_text() == next(f for f in FINDINGS if f.code == codes[1]).repro_path.read_text()
 
 
 @pytest.mark.timeout(200)

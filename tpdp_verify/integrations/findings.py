@@ -93,6 +93,15 @@ TORCH_FAULTS = {
 }
 
 
+# The blocks of steps the reproductions of one kind share (each file stands alone, so each
+# carries them; tpdp_verify.faults.spawn_block copies the first file's into the others):
+# marker -> the findings whose files carry it
+BLOCKS = {
+    "# --- boilerplate: one step under transformers' own TP, and whether it raised": ("T2", "T3", "T4"),
+    "# --- boilerplate: gradients under transformers' own TP against one device's": ("T1", "T5"),
+}
+
+
 def explained(model_type: str, said: str) -> str:
     """What a row's departure is, where it is known: a finding's code (T1), or a catalogued
     torch fault's label (fault 38); "" where nothing explains it."""
@@ -130,3 +139,13 @@ def issue(f: Finding, runs: bool = True) -> str:
             f"Found by tpdp-verify (finding {f.code} of its {f.project} conformance table: "
             "`tpdp-verify docs transformers-conformance`)."]
     return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # python -m tpdp_verify.integrations.findings: copy the reproductions' blocks
+    from tpdp_verify.faults import CATALOG, spawn_block
+
+    done = spawn_block.sync([CATALOG[0].repro_path] + [f.repro_path for f in FINDINGS])
+    for marker, codes in BLOCKS.items():
+        done += spawn_block.sync([f.repro_path for f in FINDINGS if f.code in codes], marker)
+    print(f"copied the first file's blocks into {len(done)} files" + "".join(f"\n  {p.name}" for p in done))
+

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD, TIMEOUT_S, GRACE_S = 2, 60, 5
-SCALARS = ("alpha_p", "alpha_n")
+NAMES = ("act_fn.alpha_p", "act_fn.alpha_n")  # the xIELU scalars
 
 
 def tiny():
@@ -39,34 +39,45 @@ def tiny():
                                             pad_token_id=0))
 
 
-def scalar_grads(model) -> dict:
-    """One backward of the model's own loss; each act_fn scalar's gradient (a list: it leaves its process)."""
+def loss(model):
+    """The model's own loss over token ids as labels."""
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    return {n: p.grad.tolist() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in SCALARS}
+    return model(input_ids=ids, labels=ids).loss
+
+
+# --- boilerplate: gradients under transformers' own TP against one device's -----------------
+
+def sharded(model):
+    """``model`` as transformers shards it: DistributedConfig(tp_size=WORLD), maybe_distribute_model."""
+    from transformers.distributed import DistributedConfig
+
+    config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(tp_size=WORLD))
+    return type(model).maybe_distribute_model(model, config, meshes)
+
+
+def grads(model) -> dict:
+    """One backward of ``loss``; the gradient of each parameter named by NAMES (a list: it leaves its process)."""
+    loss(model).backward()
+    return {n: p.grad.tolist() for n, p in model.named_parameters() if n.endswith(NAMES)}
 
 
 def on_rank(rank: int) -> dict:
-    from transformers.distributed import DistributedConfig
-
-    model = tiny()
-    config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(tp_size=WORLD))
-    return scalar_grads(type(model).maybe_distribute_model(model, config, meshes))
+    return grads(sharded(tiny()))
 
 
 def main() -> int:
     results = run_ranks()
     if (code := bail_out(results)) is not None:
         return code
-    expected = {n: torch.tensor(g) for n, g in scalar_grads(tiny()).items()}
+    expected = {n: torch.tensor(g) for n, g in grads(tiny()).items()}
     got = {rank: {n: torch.tensor(g) for n, g in value.items()} for rank, (_, value) in results.items()}
-    off = {rank: [n for n in expected if not torch.allclose(grads[n], expected[n], rtol=1e-4, atol=1e-6)]
-           for rank, grads in got.items()}
+    off = {rank: [n for n in expected if not torch.allclose(theirs[n], expected[n], rtol=1e-4, atol=1e-6)]
+           for rank, theirs in got.items()}
     name = next(iter(expected))
-    print(f"expected: every rank's {name} gradient is the unsharded model's, {expected[name].sum().item():.6g}")
-    print("actual:   " + "; ".join(f"rank {rank}: {grads[name].sum().item():.6g}"
-                                   for rank, grads in sorted(got.items()))
-          + f"; {sum(map(len, off.values()))} of {len(expected) * WORLD} scalar gradients off")
+    print(f"expected: every rank's {name} gradient is the unsharded model's (sum {expected[name].sum().item():.6g})")
+    print("actual:   " + "; ".join(f"rank {rank}: sum {theirs[name].sum().item():.6g}"
+                                   for rank, theirs in sorted(got.items()))
+          + f"; {sum(map(len, off.values()))} of {len(expected) * WORLD} gradients off")
     present = any(off.values())
     print("fault present" if present else "fault absent")
     return int(present)

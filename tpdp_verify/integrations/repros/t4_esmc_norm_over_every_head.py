@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD, TIMEOUT_S, GRACE_S = 2, 60, 5
-REFUSED = "expected input with shape"
+MARK, WHEN = "expected input with shape", "inference"  # what the ranks raise, and when
+EXPECTED = "the forward runs under TP as unsharded"
 
 
 def tiny():
@@ -37,25 +38,36 @@ def tiny():
                                 head_dim=8))
 
 
-def attempt(model, train: bool) -> str:
-    """"ran", or what the forward (and backward) raised."""
+def loss(model):
+    """The mean square of the model's output."""
     ids = torch.randint(3, 33, (2, 8), generator=torch.Generator().manual_seed(0))
+    return model(input_ids=ids).last_hidden_state.square().mean()
+
+
+# --- boilerplate: one step under transformers' own TP, and whether it raised ---------------
+
+def sharded(model):
+    """``model`` as transformers shards it: DistributedConfig(tp_size=WORLD), maybe_distribute_model."""
+    from transformers.distributed import DistributedConfig
+
+    config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(tp_size=WORLD))
+    return type(model).maybe_distribute_model(model, config, meshes)
+
+
+def attempt(model, train: bool) -> str:
+    """"ran", or what the forward (and, training, the backward) raised."""
     try:
         with torch.set_grad_enabled(train):
-            out = model(input_ids=ids).last_hidden_state
+            value = loss(model)
             if train:
-                out.square().mean().backward()
+                value.backward()
     except RuntimeError as exc:
         return f"raised RuntimeError: {str(exc).splitlines()[0].split('. ')[0]}"
     return "ran"
 
 
 def on_rank(rank: int) -> dict:
-    from transformers.distributed import DistributedConfig
-
-    model = tiny()
-    config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(tp_size=WORLD))
-    model = type(model).maybe_distribute_model(model, config, meshes)
+    model = sharded(tiny())
     return {"inference": attempt(model, train=False), "training": attempt(model, train=True)}
 
 
@@ -65,10 +77,10 @@ def main() -> int:
         return code
     unsharded = attempt(tiny(), train=True)
     got = {rank: value for rank, (_, value) in results.items()}
-    print(f"expected: the forward runs under TP as unsharded (unsharded: {unsharded})")
+    print(f"expected: {EXPECTED} (unsharded: {unsharded})")
     print("actual:   " + "; ".join(f"rank {rank}: inference {said['inference']}, training {said['training']}"
                                    for rank, said in sorted(got.items())))
-    present = unsharded == "ran" and all(REFUSED in said["inference"] for said in got.values())
+    present = unsharded == "ran" and all(MARK in said[WHEN] for said in got.values())
     print("fault present" if present else "fault absent")
     return int(present)
 
