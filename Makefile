@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[hf,xdist]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[hf,torchtitan,xdist]'
 	touch $(STAMP)
 
 # The gate exits 1 when it finds a divergence in torch: that is a result the demo shows,

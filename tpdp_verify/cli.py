@@ -105,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="a library's own distributed stack as it shards the model: transformers = its "
                     "DistributedConfig(tp_size, fsdp_size, dp_replicate_size) from --mesh, applied by transformers' "
                     "own code (TP, then FSDP2 with the model's fsdp_plan); transformers-ep adds its expert "
-                    "parallelism (ep_size = tp); the plain-DP run is the stack's DP without TP")
+                    "parallelism (ep_size = tp); torchtitan = its parallelize_llama (TP from the model's "
+                    "config, then its FSDP2; the loss each rank's share: --loss-share); the plain-DP run is "
+                    "the stack's DP without TP")
     plan.add_argument("--dp-alone", metavar="MODULE:FN",
                       help="with --dp own: dp_alone_fn(model, mesh) -> model, your DP without TP on the same "
                       "mesh, for the plain-DP run (else that run is not made)")
@@ -113,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="input_fn(n, generator): the input of n samples, or a dict with it under 'input'")
     plan.add_argument("--loss", metavar="MODULE:FN", help="loss_fn(output, batch): one loss per sample "
                       "(default: mean square)")
+    plan.add_argument("--loss-share", action="store_true",
+                      help="with --dp own: the loss is each rank's share of the step's (its sum over the global "
+                      "count), its DP summing gradients, as torchtitan's trainer and FSDP2 do")
     plan.add_argument("--optimizer", metavar="MODULE:FN", help="optimizer_fn(params) (default: SGD, lr 0.1, "
                       "momentum 0.9)")
     plan.add_argument("--mesh", default="1x2", type=_mesh,
@@ -569,7 +574,8 @@ def _plan(args: argparse.Namespace) -> int:
             raise UsageError(f"--stack {args.stack} applies the stack's own DP (FSDP2, HSDP on a 3-D mesh) and its "
                              "run without TP: leave out --dp and --dp-alone")
         args.dp = "own"
-        given["parallelize"], given["dp_alone"] = STACKS[args.stack]
+        given["parallelize"], given["dp_alone"], share = STACKS[args.stack]
+        args.loss_share = args.loss_share or share
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does; the ranks and their fork server inherit it
     started, start = outputs.now(), time.monotonic()
@@ -609,7 +615,8 @@ def _run_plan(args: argparse.Namespace, files: dict[str, str], given: dict, star
     report = verify_plan(model_fn, named["plan"], parallelize_fn=named["parallelize"], dp_alone_fn=named["dp_alone"],
                          mesh=args.mesh,
                          input_fn=named["input"],
-                         loss_fn=named["loss"], optimizer_fn=named["optimizer"], steps=args.steps, dp=args.dp,
+                         loss_fn=named["loss"], loss_share=args.loss_share, optimizer_fn=named["optimizer"],
+                         steps=args.steps, dp=args.dp,
                          dtype=args.dtype, batch=args.batch, accumulate=args.accumulate,
                          loss_parallel=args.loss_parallel, seed=args.seed, impl=args.impl,
                          backend=args.backend, timeout=args.timeout, baseline=args.baseline,

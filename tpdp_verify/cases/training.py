@@ -424,3 +424,10 @@ class TrainCase:
     @property
     def global_batch(self) -> int:
         return self.dp * self.local_batch
+
+    @property
+    def loss_shared(self) -> bool:
+        """Each dp group's loss is its share of the step's (a sum over the global count, its DP
+        summing gradients: verify_plan's loss_share), so the step's loss sums them; the SPMD
+        form's loss is already the step's, a DTensor reduced over dp."""
+        return self.loss_reduction == "sum_over_count" and not self.dp_mesh_dims

@@ -136,7 +136,8 @@ class Transform:
         return local
 
     def localize_dtensor(self, module: nn.Module, *_, ignored_params: set | None = None) -> None:
-        """Swap each DTensor parameter for the Parameter of its local shard, at every site."""
+        """Swap each DTensor parameter for the Parameter of its local shard, at every site;
+        and each DTensor buffer for its local shard, which DP then syncs as any buffer."""
         ignored = {id(p) for p in ignored_params or ()}
         for param, sites in self.parameter_sites(module).values():
             if id(param) in ignored:
@@ -144,9 +145,27 @@ class Transform:
             local = self.local_parameter(param)
             if local is not None:
                 self.update_module_param([(owner, attr, local) for owner, attr in sites])
+        ignored_buffers = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        for name, owner, attr, buffer in buffer_sites(module):
+            local = None if name in ignored_buffers else self.local_buffer(buffer)
+            if local is not None:
+                owner._buffers[attr] = local
+
+    def local_buffer(self, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The plain tensor DP holds for a DTensor buffer: its local shard sharing its storage,
+        with ``_st_info``; the very one it came from for a rebuilt one; None for a plain one."""
+        local = getattr(buffer, "_tpdp_local", None)
+        if local is not None:
+            return local
+        shard, info = self.flatten_tensor(buffer)
+        if info is None:
+            return None
+        shard = shard.detach()
+        shard._st_info = info
+        return shard
 
     def reconstruct_dtensor(self, module: nn.Module, _input=None) -> None:
-        """Rebuild the DTensor of every localized parameter for a forward pass."""
+        """Rebuild the DTensor of every localized parameter and buffer for a forward pass."""
         for param, sites in self.parameter_sites(module).values():
             info = getattr(param, "_st_info", None)
             if info is None:
@@ -154,19 +173,25 @@ class Transform:
             dtensor = self.unflatten_tensor(param, info)
             dtensor._tpdp_local = param
             self.update_module_param([(owner, attr, dtensor) for owner, attr in sites])
+        for _, owner, attr, buffer in buffer_sites(module):
+            info = getattr(buffer, "_st_info", None)
+            if info is not None:
+                dtensor = self.unflatten_tensor(buffer, info)
+                dtensor._tpdp_local = buffer
+                owner._buffers[attr] = dtensor
 
     def state_dict_of_dtensors(self, module: nn.Module, state_dict: dict, prefix: str, _metadata) -> None:
         """A checkpoint taken between forwards holds DTensors, as before the transform."""
-        for name, param in module.named_parameters(remove_duplicate=False):
-            info = getattr(param, "_st_info", None)
+        for name, state in _states(module):
+            info = getattr(state, "_st_info", None)
             if info is not None and prefix + name in state_dict:
                 state_dict[prefix + name] = self.unflatten_tensor(state_dict[prefix + name], info)
 
     def load_local_shards(self, module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
         """The other half of that contract: a checkpoint of DTensors loads into the local
         shards DDP registered, each entry cut to this rank's shard."""
-        for name, param in module.named_parameters(remove_duplicate=False):
-            info = getattr(param, "_st_info", None)
+        for name, state in _states(module):
+            info = getattr(state, "_st_info", None)
             value = state_dict.get(prefix + name)
             if info is not None and isinstance(value, DTensor):
                 state_dict[prefix + name] = value.redistribute(info.mesh, info.placements).to_local()
@@ -185,6 +210,21 @@ class Transform:
         module.register_state_dict_post_hook(functools.partial(type(self).state_dict_of_dtensors, self))
         module.register_load_state_dict_pre_hook(functools.partial(type(self).load_local_shards, self))
         return module
+
+
+def buffer_sites(module: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """Every buffer slot: its name, its owner, its attribute there, what it holds."""
+    sites = []
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        prefix, _, attr = name.rpartition(".")
+        sites.append((name, module.get_submodule(prefix), attr, buffer))
+    return sites
+
+
+def _states(module: nn.Module):
+    """Parameters and buffers by name, duplicates included: what a state_dict holds."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
 
 
 REFERENCE = Transform()

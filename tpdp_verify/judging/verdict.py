@@ -224,7 +224,7 @@ def assemble(case: TrainCase, traces: list[Trace]) -> tuple[Trace, list[Check]]:
     # each microbatch: each leaf's rows, dp group after dp group (a leaf some group lacks is missing)
     whole.outputs = [{name: torch.cat([g[name] for g in parts]) for name in parts[0] if all(name in g for g in parts)}
                      for parts in zip(*outputs)]
-    whole.losses = [sum(parts) / len(parts) for parts in zip(*losses)]
+    whole.losses = [sum(parts) / (1 if case.loss_shared else len(parts)) for parts in zip(*losses)]
     # each step: the block called directly, and each dp group's tp pieces of its output
     # (judging puts a tp shard back against the oracle's shape)
     whole.direct = [(traces[0].direct[i][0], [[t.direct[i][1] for t in g] for _, g in sorted(groups.items())])

@@ -78,7 +78,8 @@ class UserModel:
 
 
 def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, dp, dtype, batch,
-              accumulate, ddp_options, loss_parallel, seed, parallelize_fn=None, dp_alone_fn=None) -> TrainCase:
+              accumulate, ddp_options, loss_parallel, seed, parallelize_fn=None, dp_alone_fn=None,
+              loss_share=False) -> TrainCase:
     """The TrainCase of a verify_plan call, its arguments checked."""
     if not callable(model_fn) or not callable(input_fn):
         raise UsageError("model_fn and input_fn must be callables: model_fn() -> nn.Module, "
@@ -92,6 +93,9 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
     if dp_alone_fn is not None and (dp != "own" or not callable(dp_alone_fn)):
         raise UsageError("dp_alone_fn(model, mesh) applies your DP without TP, for the plain-DP run of a "
                          "parallelize_fn that wraps DP itself: give a function, with dp='own'")
+    if loss_share and dp != "own":
+        raise UsageError("loss_share: each rank's loss is its share of the step's (summed over dp), which needs a DP "
+                         "that sums gradients: a parallelize_fn that wraps it, with dp='own' (torchtitan's does)")
     if parallelize_fn is not None and not callable(parallelize_fn):
         raise UsageError(f"parallelize_fn is a {type(parallelize_fn).__name__}; give a function "
                          "(model, mesh) -> model that applies your TP to mesh['tp']")
@@ -127,4 +131,5 @@ def make_case(model_fn, plan, *, mesh, input_fn, loss_fn, steps, optimizer_fn, d
                      loss_fn, optimizer_fn, loss_parallel, parallelize_fn, dp_alone_fn)
     form = DP_FORMS.get("fsdp1_hybrid" if (dp, len(mesh)) == ("fsdp1", 3) else dp, {})
     return TrainCase(model=name_of(model_fn), mesh_shape=tuple(mesh), entry=DP[dp], ddp=ddp, steps=steps,
-                     accumulate=accumulate, local_batch=batch // dp_ranks, seed=seed, dtype=name, user=user, **form)
+                     accumulate=accumulate, local_batch=batch // dp_ranks, seed=seed, dtype=name, user=user,
+                     loss_reduction="sum_over_count" if loss_share else "", **form)

@@ -38,6 +38,7 @@ def script(case: TrainCase, impl: str, plan, baseline: str | None) -> str:
     args += [f"mesh={case.mesh_shape}", f"steps={case.steps}", f"dp={dp!r}", f"dtype=torch.{case.dtype}",
              f"batch={case.global_batch}", f"accumulate={case.accumulate}", f"seed={case.seed}", f"impl={impl!r}"]
     args += [f"loss_parallel={u.loss_parallel}"] if u.loss_parallel else []
+    args += ["loss_share=True"] if case.loss_shared else []
     args += [f"ddp_options={dataclasses.asdict(case.ddp)!r}"] if case.ddp != DDPOptions() else []
     args += [f"baseline={baseline!r}"] if baseline else []
     paths = sorted({p for m in imports if (p := _import_root(m))})

@@ -23,7 +23,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
                 mesh: tuple[int, ...] = (1, 2),
                 input_fn: Callable[[int, torch.Generator], object], loss_fn: Callable | None = None,
                 steps: int = 3, optimizer_fn: Callable | None = None, dp: str = "fsdp2",
-                dp_alone_fn: Callable | None = None,
+                dp_alone_fn: Callable | None = None, loss_share: bool = False,
                 dtype: torch.dtype = torch.float32, batch: int | None = None, accumulate: int = 1,
                 ddp_options: dict | None = None, loss_parallel: bool = False, seed: int = 0,
                 impl: str = "torch", pool=None, backend: str = "auto", timeout: float = 120.0,
@@ -49,6 +49,9 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     (dim 0), or a dict with it under "input" and any targets; draw from ``generator``.
     ``loss_fn(output, batch)`` returns one loss per sample (default: mean square); each is
     weighted by a random weight, which exposes DP averaging bugs that ``.sum()`` hides.
+    ``loss_share``: ``loss_fn`` returns each rank's share of the step's loss (its sum over the
+    global batch's count, as torchtitan's trainer divides by the step's valid tokens), which
+    the DP sums (dp="own" only); the step's loss is then the shares summed over dp.
     ``optimizer_fn(params)`` builds the optimizer (default SGD, lr 0.1, momentum 0.9). ``dp``:
     fsdp2 by default (``fully_shard`` on ``mesh["dp"]``, as torchtitan composes TP: a correct
     plan passes there on torch 2.13, where DDP's transform loses TP's parameters after the
@@ -82,7 +85,7 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
     case = make_case(model_fn, plan, mesh=mesh, input_fn=input_fn, loss_fn=loss_fn, steps=steps,
                      optimizer_fn=optimizer_fn, dp=dp, dtype=dtype, batch=batch, accumulate=accumulate,
                      ddp_options=ddp_options, loss_parallel=loss_parallel, seed=seed,
-                     parallelize_fn=parallelize_fn, dp_alone_fn=dp_alone_fn)
+                     parallelize_fn=parallelize_fn, dp_alone_fn=dp_alone_fn, loss_share=loss_share)
     if baseline:
         from tpdp_verify.runner.baseline import release_of
 
