@@ -80,3 +80,11 @@ def test_each_findings_reproduction_shows_it_with_torch_and_transformers_alone(f
     ran = subprocess.run([sys.executable, str(finding.repro_path)], capture_output=True, text=True, timeout=280)
     assert ran.returncode == 1 and ran.stdout.splitlines()[-1] == "fault present", ran.stdout + ran.stderr[-2000:]
     assert finding.project == "transformers" and finding.source.startswith("transformers.models.")
+
+
+def test_a_findings_draft_is_filed_with_its_project():
+    from tpdp_verify.integrations.findings import issue
+
+    draft = issue(FINDINGS[0], runs=False)
+    assert draft.splitlines()[:2] == [f"title: [TP] {FINDINGS[0].title}",
+                                      "file at: https://github.com/huggingface/transformers/issues"]

@@ -28,6 +28,7 @@ def test_each_fault_is_a_whole_record():
         assert f.title and f.what and f.consequence and f.workaround and f.fix and f.apis and f.source and f.releases, f.number
         assert f.repro_path.is_file() and f.repro.startswith(f"f{f.number:02d}_"), f.number
         assert all(s.parts and (s.properties != ("*",) or s.where) for s in f.shows), f.number  # never anything anywhere
+        assert f.project == "torch", f.number  # another project's faults are findings (integrations.findings)
 
 
 @pytest.mark.parametrize("ref", sorted({s for f in faults.CATALOG for s in f.source}))
@@ -139,6 +140,7 @@ def test_report_prints_an_upstream_issue_with_the_code_at_fault():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert text.startswith("title: [DTensor] Under a float32 `reduce_dtype`")
+    assert text.splitlines()[1] == "file at: https://github.com/pytorch/pytorch/issues"  # whose code: torch's
     assert faults.find("16").repro_path.read_text().strip() in text  # the standalone reproduction, whole
     assert "def _get_grad_inner_tensor" in text and "_fsdp_param.py`, lines " in text  # torch's code as installed
     assert "https://github.com/pytorch/pytorch/issues/190626" in text and "### Workaround" in text

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpdp_verify.errors import UsageError
-from tpdp_verify.faults.record import Fault
+from tpdp_verify.faults.record import PROJECTS, Fault
 from tpdp_verify.status import Found
 
 TIMEOUT = 180.0  # a reproduction's whole run; one that hangs is stopped by its own join timeout first
@@ -134,7 +134,7 @@ def for_fault(f: Fault, pythons: list[str], runs: bool = True) -> str:
     import torch
 
     shown = [run(f, p) for p in pythons] if runs else []
-    out = [f"title: [DTensor] {f.title}", "",
+    out = [f"title: [DTensor] {f.title}", f"file at: {PROJECTS[f.project]}", "",
            "### What is wrong, and why it matters", "", f.what.strip(), "", _sentence(f.consequence), "",
            "### Reproduction", "",
            f"Needs only torch; spawns its own gloo ranks on the CPU. Save as `{f.repro}` and run "

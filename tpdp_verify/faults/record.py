@@ -11,6 +11,10 @@ from pathlib import Path
 from tpdp_verify import signature
 
 REPROS = Path(__file__).parent / "repros"
+# whose code a fault or a finding is in, and where its issue is filed
+PROJECTS = {"torch": "https://github.com/pytorch/pytorch/issues",
+            "transformers": "https://github.com/huggingface/transformers/issues",
+            "torchtitan": "https://github.com/pytorch/torchtitan/issues"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Fault:
     shows: tuple[Shows, ...]
     repro: str  # the file in repros/
     upstream: tuple[str, ...] = ()  # the issues and pull requests that report or fix it
+    project: str = "torch"  # whose code is at fault (PROJECTS): the catalog's faults are torch's
 
     @property
     def releases(self) -> tuple[str, ...]:
@@ -70,7 +75,7 @@ class Fault:
 
     def summary(self) -> dict:
         return {"number": self.number, "name": self.name, "title": self.title, "workaround": self.fix,
-                "upstream": list(self.upstream)}
+                "upstream": list(self.upstream), "project": self.project}
 
 
 @dataclass(frozen=True)

@@ -119,11 +119,12 @@ def issue(f: Finding, runs: bool = True) -> str:
     from importlib import metadata
 
     from tpdp_verify.faults import issue as faults_issue
+    from tpdp_verify.faults.record import PROJECTS
 
     text = f.repro_path.read_text()
     told = (ast.get_docstring(ast.parse(text)) or "").split("\n\n", 1)
     what = told[1].rsplit("\nRun:", 1)[0].strip() if len(told) > 1 else f.title
-    out = [f"title: [TP] {f.title}", "", "### What is wrong", "", what, "",
+    out = [f"title: [TP] {f.title}", f"file at: {PROJECTS[f.project]}", "", "### What is wrong", "", what, "",
            "### Reproduction", "",
            f"Needs torch and {f.project}; spawns its own 2 gloo ranks on the CPU and shards the model as "
            f"{f.project} does. Save as `{f.repro}` and run `python {f.repro}`: it prints what was expected "
