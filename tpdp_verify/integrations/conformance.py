@@ -37,7 +37,10 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             mamba_n_heads=4, index_n_heads=4, index_head_dim=8, index_topk=8, vocab_size_per_layer_input=VOCAB,
-            hidden_size_per_layer_input=8, global_head_dim=8,
+            hidden_size_per_layer_input=8, global_head_dim=8, moe_hidden_size=16, zero_expert_num=2,
+            shared_expert_intermediate_size=16, shared_experts_intermediate_size=16, index_kpool=4,
+            num_kv_shared_layers=0, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4,
             # dropout off: its draws differ by design between a sharded and an unsharded run
             attention_dropout=0.0, hidden_dropout=0.0, dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, residual_dropout=0.0,
@@ -45,6 +48,9 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
 # Sizes some configs take as their __post_init__'s keyword arguments, not as fields
 # (Gemma 4's and EmbeddingGemma 2's full-attention layers: a wider head, their own kv heads).
 TINY_BUILDER = dict(global_head_dim=8, num_global_key_value_heads=2)
+# Layer kinds for a config whose default leaves them unset, and whose model then does not
+# build (LFM2-MoE's reads config.layer_types[i]): the kinds its modeling code names.
+LAYER_KINDS = {"lfm2_moe": ("conv", "full_attention")}
 MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
@@ -86,11 +92,17 @@ class Tiny:
 
 def tiny_config(model_type: str):
     """The config class's defaults with every TINY field it has; its layer types cut to one
-    layer of each kind (in their order), a multimodal rotary split cut to the tiny head; and,
-    where the class refuses grouped-query attention, as many key-value heads as heads."""
+    layer of each kind (in their order), a multimodal rotary split cut to the tiny head; its
+    sub-configs (a composite model's text and vision parts) tiny alike; and, where the class
+    refuses grouped-query attention, as many key-value heads as heads."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls = CONFIG_MAPPING[model_type]
+    return _tiny(CONFIG_MAPPING[model_type], model_type)
+
+
+def _tiny(cls, model_type: str):
+    from transformers import PreTrainedConfig
+
     default = cls()
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(vars(default))
     aliases = dict(getattr(cls, "attribute_map", {}) or {})
@@ -101,25 +113,60 @@ def tiny_config(model_type: str):
             given[name] = value
     builder = inspect.getsource(cls.__post_init__) if "__post_init__" in vars(cls) else ""
     given |= {k: v for k, v in TINY_BUILDER.items() if k not in fields and f'"{k}"' in builder}
+    for name, part in (getattr(cls, "sub_configs", None) or {}).items():
+        if name in fields and isinstance(part, type) and issubclass(part, PreTrainedConfig) and part.model_type:
+            given[name] = _tiny(part, part.model_type)
     if "kv_lora_rank" in given and "num_key_value_heads" in given:  # MLA: a key-value head a head
         given["num_key_value_heads"] = given["num_attention_heads"]
-    types = list(getattr(default, "layer_types", None) or ())
+    types = list(getattr(default, "layer_types", None) or LAYER_KINDS.get(model_type, ()))
     kinds = list(dict.fromkeys(types))
     if kinds and "layer_types" in fields:
         given["layer_types"] = kinds * (2 if len(kinds) == 1 else 1)
         given["num_hidden_layers"] = len(given["layer_types"])
     elif kinds and "num_hidden_layers" in given:  # layer types computed from a period: enough layers for each
         given["num_hidden_layers"] = max(2, max(types.index(k) for k in kinds) + 1)
-    rope = getattr(default, "rope_parameters", None)
-    if isinstance(rope, dict) and "mrope_section" in rope and "head_dim" in given:
-        half = given["head_dim"] // 2
-        given["rope_parameters"] = dict(rope, mrope_section=[half - 2 * (half // 4)] + [half // 4] * 2)
+    given |= _tiny_ropes(getattr(default, "rope_parameters", None), kinds, given, default, model_type)
     try:
         return cls(**given)
     except Exception as exc:
         if "num_key_value_heads" not in str(exc) or "num_key_value_heads" not in given:
             raise
         return cls(**dict(given, num_key_value_heads=given.get("num_attention_heads", 4)))
+
+
+def _tiny_ropes(rope, kinds: list[str], given: dict, default, model_type: str) -> dict:
+    """The rotary parameters for the tiny head (and a wider head where a partial rotary
+    would turn too few dims), whether one rotary or a rotary a layer kind."""
+    if rope == {} and kinds:  # no rotary given, which the model reads a layer kind each (Cohere Compass)
+        rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in kinds}
+    if not isinstance(rope, dict) or not rope:
+        return {}
+    head = given.get("head_dim") or given.get("hidden_size", 32) // given.get("num_attention_heads", 4)
+    per_kind = all(isinstance(v, dict) for v in rope.values())
+    ropes = {k: _tiny_rope(v, head, default, model_type) for k, v in (rope if per_kind else {"": rope}).items()}
+    out = {"rope_parameters": ropes if per_kind else ropes[""]}
+    rotated = [int(head * (r.get("partial_rotary_factor") or 1.0)) for r in ropes.values()]
+    if "head_dim" in given and any(n % 4 for n in rotated):  # M-RoPE's axes take frequencies in pairs
+        out["head_dim"] = 16
+    return out
+
+
+def _tiny_rope(rope: dict, head: int, default, model_type: str) -> dict:
+    """A rotary's parameters for the tiny head: its multimodal sections (given, or the model's
+    own default where the config gives none) cut to the rotated half."""
+    if "mrope_section" not in rope and not _multimodal_rotary(model_type):
+        return rope
+    factor = rope.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0
+    half = int(head * factor) // 2  # the model's own default sections are the full size's
+    return dict(rope, mrope_section=[half - 2 * (half // 4)] + [half // 4] * 2)
+
+
+def _multimodal_rotary(model_type: str) -> bool:
+    """Whether the model splits its rotary frequencies into sections by its own default where
+    the config gives none (``rope_parameters.get("mrope_section", [16, 24, 24])``)."""
+    cls = model_class(model_type)
+    module = sys.modules.get(cls.__module__) if cls is not None else None
+    return module is not None and 'get("mrope_section", [' in inspect.getsource(module)
 
 
 def model_class(model_type: str):
