@@ -1364,10 +1364,9 @@ same model with plain buffers wraps; FSDP1 and FSDP2 take the DTensor buffer.
                "raised:NotImplementedError at torch/nn/parallel/distributed.py:forward: Operator c10d.broadcast_*"),
               ("*",),
               (("entry", ("transform_ddp", "ddp_mesh")), ("habits.buffers", ("dtensor",)))),
-        # a user's model (tpdp-verify plan) whose buffers are DTensors, torchtitan's Llama's: no
-        # DTensor but a buffer reaches DDP's sync, the transform having localized the parameters
+        # a user's model (tpdp-verify plan) whose buffers are DTensors, torchtitan's Llama's: DDP's
+        # sync broadcasts one DTensor (a coalesced sync mixing DTensors is fault 3's tied copies too)
         Shows(("raised:NotImplementedError at torch/nn/parallel/distributed.py:__init__: Operator c10d.broadcast_*",
-               "raised:RuntimeError at torch/nn/parallel/distributed.py:__init__: aten.cat.default got mixed*",
                "raised:NotImplementedError at torch/nn/parallel/distributed.py:forward: Operator c10d.broadcast_*"),
               ("*",), (("entry", ("transform_ddp", "ddp_mesh")), ("user", True))),
     ),

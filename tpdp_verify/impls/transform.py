@@ -158,11 +158,9 @@ class Transform:
         if local is not None:
             return local
         shard, info = self.flatten_tensor(buffer)
-        if info is None:
-            return None
-        shard = shard.detach()
-        shard._st_info = info
-        return shard
+        if info is not None:
+            shard._st_info = info
+        return shard if info is not None else None
 
     def reconstruct_dtensor(self, module: nn.Module, _input=None) -> None:
         """Rebuild the DTensor of every localized parameter and buffer for a forward pass."""

@@ -40,7 +40,11 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             hidden_size_per_layer_input=8, global_head_dim=8, moe_hidden_size=16, zero_expert_num=2,
             shared_expert_intermediate_size=16, shared_experts_intermediate_size=16, index_kpool=4,
             num_kv_shared_layers=0, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-            linear_num_value_heads=4,
+            linear_num_value_heads=4, intermediate_size_mlp=32,
+            # a composite model's vision and audio parts, and what joins them to the text part
+            image_size=32, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
+            out_hidden_size=32, projector_hidden_size=16, ext_pw_out_channel=16,
+            depthwise_separable_out_channel=16, nemo_conv_channels=16,
             # dropout off: its draws differ by design between a sharded and an unsharded run
             attention_dropout=0.0, hidden_dropout=0.0, dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, residual_dropout=0.0,
@@ -171,11 +175,14 @@ def _multimodal_rotary(model_type: str) -> bool:
 
 def model_class(model_type: str):
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
+    config = CONFIG_MAPPING[model_type]
     for names in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES):
         found = getattr(transformers, names.get(model_type) or "", None)
-        if isinstance(found, type):
+        # a causal LM of a composite's text part takes that part's config (Llama 4's), not the composite's
+        if isinstance(found, type) and issubclass(config, getattr(found, "config_class", None) or config):
             return found
     return None
 
