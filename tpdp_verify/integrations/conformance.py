@@ -178,11 +178,11 @@ def model_class(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    config = CONFIG_MAPPING[model_type]
+    parts = set((getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}).values())
     for names in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES):
         found = getattr(transformers, names.get(model_type) or "", None)
         # a causal LM of a composite's text part takes that part's config (Llama 4's), not the composite's
-        if isinstance(found, type) and issubclass(config, getattr(found, "config_class", None) or config):
+        if isinstance(found, type) and getattr(found, "config_class", None) not in parts:
             return found
     return None
 

@@ -61,7 +61,7 @@ FINDINGS = (
             'add "layers.*.mlp.act_fn": "replicated_with_grad_allreduce" to the plan, as q_norm and k_norm have '
             "(verified: the row passes with that override)",
             "t1_apertus_xielu_scalars_unreduced.py"),
-    Finding("T2", "transformers", ("llama4_text",), ("is a view and is being modified inplace",),
+    Finding("T2", "transformers", ("llama4_text", "llama4"), ("is a view and is being modified inplace",),
             "Llama 4's MoE block cannot train under TP: it adds in place to its TP'd shared expert's output",
             "transformers.models.llama4.modeling_llama4:Llama4TextMoe.forward",
             "out = out + ... in place of out.add_(...) (the output of a rowwise layer is a view autograd guards)",
@@ -83,13 +83,21 @@ FINDINGS = (
             'add "layers.*.self_attn.q_norm" and "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce" '
             "to the plan, as Qwen3's and Qwen3-MoE's have",
             "t5_qwen3_vl_moe_head_norms_unreduced.py"),
+    Finding("T6", "transformers", ("neomme",), ("must match the size of tensor b",),
+            "NeoMME's attention cannot run under its own TP plan: its exclusive self-attention holds a scale for "
+            "every head",
+            "transformers.models.neomme.configuration_neomme:NeoMMEConfig.base_model_tp_plan "
+            "(exclusive_self_attention.alpha: not sharded)",
+            'shard alpha by head as the heads are ("layers.*.self_attn.exclusive_self_attention.alpha": a dim-0 '
+            "local shard over tp)",
+            "t6_neomme_scale_for_every_head.py"),
 )
 
 
 # torch's own faults (tpdp_verify.faults' catalog) that the conformance table meets: the fault's
 # number -> where, and the marks of its departures there
 TORCH_FAULTS = {
-    38: Seen(("inkling_text", "muse_glimmer_text"), ("placement_types.py:_reduce_value",)),
+    38: Seen(("inkling_text", "muse_glimmer_text", "muse_glimmer", "muse_spark_text"), ("placement_types.py:_reduce_value",)),
 }
 
 
@@ -97,7 +105,7 @@ TORCH_FAULTS = {
 # carries them; tpdp_verify.faults.spawn_block copies the first file's into the others):
 # marker -> the findings whose files carry it
 BLOCKS = {
-    "# --- boilerplate: one step under transformers' own TP, and whether it raised": ("T2", "T3", "T4"),
+    "# --- boilerplate: one step under transformers' own TP, and whether it raised": ("T2", "T3", "T4", "T6"),
     "# --- boilerplate: gradients under transformers' own TP against one device's": ("T1", "T5"),
 }
 
