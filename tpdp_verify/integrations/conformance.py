@@ -52,9 +52,10 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
 # Sizes some configs take as their __post_init__'s keyword arguments, not as fields
 # (Gemma 4's and EmbeddingGemma 2's full-attention layers: a wider head, their own kv heads).
 TINY_BUILDER = dict(global_head_dim=8, num_global_key_value_heads=2)
-# Layer kinds for a config whose default leaves them unset, and whose model then does not
-# build (LFM2-MoE's reads config.layer_types[i]): the kinds its modeling code names.
-LAYER_KINDS = {"lfm2_moe": ("conv", "full_attention")}
+# Layer kinds where the default's do not run: LFM2-MoE's default leaves them unset, and its
+# model reads config.layer_types[i]; GraniteMoeHybrid's default is linear attention alone, whose
+# cache has no attention layer to count its length. The kinds the modeling code names.
+LAYER_KINDS = {"lfm2_moe": ("conv", "full_attention"), "granitemoehybrid": ("linear_attention", "full_attention")}
 MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
@@ -122,7 +123,7 @@ def _tiny(cls, model_type: str):
             given[name] = _tiny(part, part.model_type)
     if "kv_lora_rank" in given and "num_key_value_heads" in given:  # MLA: a key-value head a head
         given["num_key_value_heads"] = given["num_attention_heads"]
-    types = list(getattr(default, "layer_types", None) or LAYER_KINDS.get(model_type, ()))
+    types = list(LAYER_KINDS.get(model_type) or getattr(default, "layer_types", None) or ())
     kinds = list(dict.fromkeys(types))
     if kinds and "layer_types" in fields:
         given["layer_types"] = kinds * (2 if len(kinds) == 1 else 1)
