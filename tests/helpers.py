@@ -1,9 +1,13 @@
 """Helpers for tests: processes that come and go, the sockets they listen on, properties
 that diverge."""
 
+import concurrent.futures
 import ipaddress
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -134,3 +138,26 @@ def make_model():
 def inputs(n, generator):
     return torch.randn(n, 8, generator=generator)
 """
+
+
+# Standalone scripts (the faults' and findings' reproductions) run two at a time in the
+# background, in the order their tests come: each spends most of its time starting its ranks
+# and importing torch, so a second one fills the idle core (docs/performance.md).
+_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+_RUNS: dict = {}
+
+
+def script_run(path, every, *, timeout: float, bare_env: bool = False) -> subprocess.CompletedProcess:
+    """``python path`` in a fresh directory, its outcome; ``every`` script of the test file is
+    started ahead, two at a time. ``bare_env``: only PATH, and HOME the fresh directory."""
+    for p in every:
+        if p not in _RUNS:
+            _RUNS[p] = _AHEAD.submit(_run, p, timeout, bare_env)
+    return _RUNS[path].result()
+
+
+def _run(path, timeout: float, bare_env: bool) -> subprocess.CompletedProcess:
+    here = tempfile.mkdtemp(prefix="tpdp-repro-")
+    env = {"PATH": "/usr/bin:/bin", "HOME": here} if bare_env else None
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, cwd=here,
+                          env=env, stdin=subprocess.DEVNULL)

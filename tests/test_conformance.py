@@ -4,13 +4,12 @@ docs/transformers-conformance.md), run as the command runs them: a dense, a tied
 Needs the hf extra (`make test` installs it)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra: pip install -c constraints.txt -e .[hf]")
 
+from helpers import script_run  # noqa: E402
 from tpdp_verify.integrations import conformance  # noqa: E402
 from tpdp_verify.integrations.findings import FINDINGS  # noqa: E402
 
@@ -77,7 +76,7 @@ def test_each_findings_reproduction_shows_it_with_torch_and_transformers_alone(f
     imports nothing of tpdp-verify."""
     text = finding.repro_path.read_text()
     assert "tpdp_verify" not in text and "from transformers" in text
-    ran = subprocess.run([sys.executable, str(finding.repro_path)], capture_output=True, text=True, timeout=280)
+    ran = script_run(finding.repro_path, [f.repro_path for f in FINDINGS], timeout=280)
     assert ran.returncode == 1 and ran.stdout.splitlines()[-1] == "fault present", ran.stdout + ran.stderr[-2000:]
     assert finding.project == "transformers" and finding.source.startswith("transformers.models.")
 

@@ -3,11 +3,10 @@ FILE` from outside any checkout, torch alone, on the pinned torch 2.13.0. Each s
 fault (exit 1) with what one device computes and what the ranks did."""
 
 import ast
-import subprocess
-import sys
 
 import pytest
 
+from helpers import script_run
 from tpdp_verify import faults
 from tpdp_verify.faults import spawn_block
 
@@ -59,9 +58,8 @@ def test_every_reproduction_spawns_its_ranks_by_the_same_block(tmp_path):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fault", faults.CATALOG, ids=lambda f: f"fault{f.number}")
-def test_the_reproduction_shows_its_fault_on_the_pinned_torch(fault, tmp_path):
-    done = subprocess.run([sys.executable, str(fault.repro_path)], capture_output=True, text=True, timeout=180,
-                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+def test_the_reproduction_shows_its_fault_on_the_pinned_torch(fault):
+    done = script_run(fault.repro_path, [f.repro_path for f in faults.CATALOG], timeout=180, bare_env=True)
     lines = done.stdout.splitlines()
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
     assert lines[0].startswith("expected: ") and lines[1].startswith("actual:   "), done.stdout
