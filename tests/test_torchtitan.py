@@ -8,7 +8,6 @@ test` installs it)."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,6 @@ import titan_models  # noqa: E402
 from tpdp_verify import UsageError, verify_plan  # noqa: E402
 from tpdp_verify.integrations import torchtitan as tt  # noqa: E402
 
-TESTS = str(Path(__file__).parent)
 ROPE = "layers.0.attention.rope.cache"
 
 
@@ -50,7 +48,8 @@ def test_parallelize_llama_trains_like_one_device_and_like_its_fsdp_alone(pool4)
     # the step's loss is the dp groups' shares summed, judged against one device's mean
     losses = [r for r in report.one_device.rows if r.what == "loss"]
     assert len(losses) == 2 and all(r.err.ok for r in losses)
-    # the complex RoPE cache, as torchtitan holds it, compared on every step, complex on the ranks
+    # the complex RoPE cache, as torchtitan holds it, compared on every step; complex on the ranks,
+    # since a buffer of another kind of dtype fails the buffers check
     assert {r.name for r in report.one_device.rows if r.what == "buffer"} >= {ROPE}
 
 
@@ -86,12 +85,13 @@ def test_loss_share_needs_a_dp_that_sums():
 
 
 @pytest.mark.timeout(600)
-def test_from_the_shell_as_a_stack_and_its_replay(tmp_path):
+def test_from_the_shell_as_a_stack(tmp_path):
     """``--stack torchtitan``: its parallelize_llama, its FSDP2 alone for the plain-DP run, the
-    loss each rank's share; the replay line printed reruns as printed."""
+    loss each rank's share; the replay line is the command as given."""
     titan = "tpdp_verify.integrations.torchtitan"
     args = [sys.executable, "-m", "tpdp_verify", "plan", f"{titan}:llama3", "--input", f"{titan}:tokens",
             "--loss", f"{titan}:loss", "--stack", "torchtitan", "--mesh", "1x2", "--steps", "1"]
     run = subprocess.run(args, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert run.returncode == 0 and ", dp=own, 1 step, float32: PASS" in run.stdout, run.stdout + run.stderr
     assert "gradients vs plain DDP" in run.stdout and "Traceback" not in run.stdout + run.stderr
+    assert f"replay: tpdp-verify {' '.join(args[3:])}" in run.stdout
