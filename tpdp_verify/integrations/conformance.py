@@ -148,12 +148,13 @@ def _tiny_ropes(rope, kinds: list[str], given: dict, default, model_type: str) -
         return {}
     head = given.get("head_dim") or given.get("hidden_size", 32) // given.get("num_attention_heads", 4)
     per_kind = all(isinstance(v, dict) for v in rope.values())
-    ropes = {k: _tiny_rope(v, head, default, model_type) for k, v in (rope if per_kind else {"": rope}).items()}
-    out = {"rope_parameters": ropes if per_kind else ropes[""]}
-    rotated = [int(head * (r.get("partial_rotary_factor") or 1.0)) for r in ropes.values()]
-    if "head_dim" in given and any(n % 4 for n in rotated):  # M-RoPE's axes take frequencies in pairs
-        out["head_dim"] = 16
-    return out
+    kinds_ropes = rope if per_kind else {"": rope}
+    out = {}
+    if "head_dim" in given and any(int(head * (r.get("partial_rotary_factor") or 1.0)) % 4
+                                   for r in kinds_ropes.values()):  # M-RoPE's axes take frequencies in pairs
+        head = out["head_dim"] = 16
+    ropes = {k: _tiny_rope(v, head, default, model_type) for k, v in kinds_ropes.items()}
+    return out | {"rope_parameters": ropes if per_kind else ropes[""]}
 
 
 def _tiny_rope(rope: dict, head: int, default, model_type: str) -> dict:
