@@ -157,7 +157,7 @@ def script_run(path, every, *, timeout: float, bare_env: bool = False) -> subpro
 
 
 def _run(path, timeout: float, bare_env: bool) -> subprocess.CompletedProcess:
-    here = tempfile.mkdtemp(prefix="tpdp-repro-")
-    env = {"PATH": "/usr/bin:/bin", "HOME": here} if bare_env else None
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, cwd=here,
-                          env=env, stdin=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="tpdp-repro-") as here:
+        env = {"PATH": "/usr/bin:/bin", "HOME": here} if bare_env else None
+        return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout,
+                              cwd=here, env=env, stdin=subprocess.DEVNULL)
