@@ -118,7 +118,7 @@ def time_the_grace(totals: dict) -> None:
     """After a rank raises, the others get the error grace: they are waited for until they
     answer or sit idle in a collective (IDLE_WINDOW without CPU), then killed. The wait from
     the first error to a reply marked stuck is the "error grace" phase (inside the wait)."""
-    import tpdp_verify.ranks.rank as rank
+    from tpdp_verify.ranks import pool
 
     since: list = []
     idleness_init, collect = pool._Idleness.__init__, pool._Ranks.collect
