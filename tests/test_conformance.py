@@ -43,6 +43,17 @@ def test_a_tiny_config_keeps_one_layer_of_each_kind_and_what_tp_splits_divisible
     assert {"linear_attention", "full_attention"} <= set(hybrid.layer_types[:hybrid.num_hidden_layers])
 
 
+def test_a_composites_part_runs_as_its_own_class_on_the_config_its_composite_builds():
+    """A part transformers maps no class to: the class its modeling module builds on it, and
+    the config as its composite fills it (T5Gemma 2's decoder alone lacks a dropout rate)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerTextModel
+
+    assert conformance.model_class("qwen2_5_omni_text") is Qwen2_5OmniThinkerTextModel
+    assert conformance.tiny_config("t5gemma2_decoder").dropout_rate == 0.0
+    assert conformance.tiny_config("qwen3_omni_moe_talker_text").hidden_size == 32  # its holder's, not the top's
+    assert conformance.model_class("t5_gemma_module") is None  # its encoder takes the composite's config
+
+
 def test_a_config_the_derivation_leaves_large_is_refused_on_the_meta_device(monkeypatch):
     monkeypatch.setattr(conformance, "MAX_PARAMETERS", 1000)
     with pytest.raises(ValueError, match=r"^the tiny config still makes \d+\.\dM parameters \(model\.embed_tokens"

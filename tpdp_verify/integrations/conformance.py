@@ -56,6 +56,9 @@ TINY_BUILDER = dict(global_head_dim=8, num_global_key_value_heads=2)
 # model reads config.layer_types[i]; GraniteMoeHybrid's default is linear attention alone, whose
 # cache has no attention layer to count its length. The kinds the modeling code names.
 LAYER_KINDS = {"lfm2_moe": ("conv", "full_attention"), "granitemoehybrid": ("linear_attention", "full_attention")}
+# The same for a config whose MLP kind a layer is unset by default (DeepSeek-OCR 2's text part,
+# whose layers read config.mlp_layer_types[i]): one layer of each kind.
+MLP_KINDS = {"deepseek_ocr2_text": ("dense", "sparse")}
 MAX_PARAMETERS = 2_000_000  # a tiny model holds well under a million
 
 
@@ -84,7 +87,7 @@ class Tiny:
     def __call__(self) -> torch.nn.Module:
         config, cls = tiny_config(self.model_type), model_class(self.model_type)
         with torch.device("meta"):  # sized first: a field the derivation misses can hold gigabytes
-            probe = cls(config)
+            probe = _built(cls, config)
         sizes = {n: p.numel() for n, p in probe.named_parameters()}
         if sum(sizes.values()) > MAX_PARAMETERS:
             biggest = max(sizes, key=sizes.get)
@@ -95,6 +98,20 @@ class Tiny:
         return cls(config)
 
 
+def _built(cls, config):
+    """``cls(config)``, where the model reads a TINY size its config class does not declare
+    (the Qwen3-Omni talker's ``shared_expert_intermediate_size``: a hub config.json carries
+    it as an extra key) given it as such a key."""
+    while True:
+        try:
+            return cls(config)
+        except AttributeError as exc:
+            missing = getattr(exc, "name", None)
+            if missing not in TINY or hasattr(config, missing):
+                raise
+            setattr(config, missing, TINY[missing])
+
+
 def tiny_config(model_type: str):
     """The config class's defaults with every TINY field it has; its layer types cut to one
     layer of each kind (in their order), a multimodal rotary split cut to the tiny head; its
@@ -102,7 +119,48 @@ def tiny_config(model_type: str):
     refuses grouped-query attention, as many key-value heads as heads."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return _tiny(CONFIG_MAPPING[model_type], model_type)
+    cls = CONFIG_MAPPING[model_type]
+    if _mapped_class(model_type) is None:  # a composite's part: as its composite builds it, where one does
+        built = _as_a_part(cls)
+        if built is not None:
+            return built
+    return _tiny(cls, model_type)
+
+
+def _as_a_part(part):
+    """The config a composite builds for its part ``part``, from the tiny config of the
+    composite that holds it directly (a part of a part: the Qwen3-Omni talker's text): the
+    composite's __post_init__ fills what the part's class alone leaves unset (T5Gemma 2's
+    dropout rate). None where no composite builds one."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    parents = {}
+    for model_type in CONFIG_MAPPING.keys():
+        try:
+            top = CONFIG_MAPPING[model_type]
+        except Exception:  # a config whose module does not import here
+            continue
+        for holder in {top} | _parts(top):
+            for name, held in (getattr(holder, "sub_configs", None) or {}).items():
+                if held is part and holder is not part:
+                    parents.setdefault(holder, name)
+    for holder, name in parents.items():
+        try:
+            built = getattr(_tiny(holder, holder.model_type), name, None)
+        except Exception:  # this composite does not build small; another may
+            continue
+        if isinstance(built, part):
+            return built
+    return None
+
+
+def _parts(cls) -> set:
+    """A composite config class's part classes, at any depth (the Qwen3-Omni talker's text)."""
+    found: set = set()
+    for part in (getattr(cls, "sub_configs", None) or {}).values():
+        if isinstance(part, type) and part not in found:
+            found |= {part} | _parts(part)
+    return found
 
 
 def _tiny(cls, model_type: str):
@@ -115,7 +173,7 @@ def _tiny(cls, model_type: str):
     for key, value in TINY.items():
         name = key if key in fields else aliases.get(key)
         if name in fields and name not in given:
-            given[name] = value
+            given[name] = _as_declared(cls, name, value)
     builder = inspect.getsource(cls.__post_init__) if "__post_init__" in vars(cls) else ""
     given |= {k: v for k, v in TINY_BUILDER.items() if k not in fields and f'"{k}"' in builder}
     for name, part in (getattr(cls, "sub_configs", None) or {}).items():
@@ -123,6 +181,8 @@ def _tiny(cls, model_type: str):
             given[name] = _tiny(part, part.model_type)
     if "kv_lora_rank" in given and "num_key_value_heads" in given:  # MLA: a key-value head a head
         given["num_key_value_heads"] = given["num_attention_heads"]
+    if model_type in MLP_KINDS:
+        given["mlp_layer_types"] = list(MLP_KINDS[model_type])
     types = list(LAYER_KINDS.get(model_type) or getattr(default, "layer_types", None) or ())
     kinds = list(dict.fromkeys(types))
     if kinds and "layer_types" in fields:
@@ -137,6 +197,14 @@ def _tiny(cls, model_type: str):
         if "num_key_value_heads" not in str(exc) or "num_key_value_heads" not in given:
             raise
         return cls(**dict(given, num_key_value_heads=given.get("num_attention_heads", 4)))
+
+
+def _as_declared(cls, name: str, value):
+    """A TINY size as the field declares it: a size a modality for a field that takes a list
+    only (ERNIE-VL's text and vision experts: ``moe_intermediate_size: list[int] | None``)."""
+    declared = str({f.name: f.type for f in dataclasses.fields(cls)}.get(name)) if dataclasses.is_dataclass(cls) else ""
+    list_only = "list[int]" in declared and "int" not in declared.replace("list[int]", "")
+    return [value, value] if list_only else value
 
 
 def _tiny_ropes(rope, kinds: list[str], given: dict, default, model_type: str) -> dict:
@@ -176,6 +244,15 @@ def _multimodal_rotary(model_type: str) -> bool:
 
 
 def model_class(model_type: str):
+    """The model class a row builds: the class transformers maps its config to, or a
+    composite's part's own (part_class)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return _mapped_class(model_type) or part_class(CONFIG_MAPPING[model_type])
+
+
+def _mapped_class(model_type: str):
+    """The causal LM, else the base model, transformers maps the config to."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
@@ -187,6 +264,26 @@ def model_class(model_type: str):
         if isinstance(found, type) and getattr(found, "config_class", None) not in parts:
             return found
     return None
+
+
+def part_class(config_class):
+    """A composite model's part that transformers maps no class to (Qwen2.5-Omni's thinker
+    text model, Llama 4's vision model): the model class its modeling module builds on that
+    config alone, as the composite builds it; one that takes token ids first. None where
+    the module has none (T5Gemma's module config is a block's)."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    try:
+        module = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+    found = list({id(c): c for _, c in sorted(vars(module).items()) if isinstance(c, type)
+                  and issubclass(c, PreTrainedModel) and getattr(c, "config_class", None) is config_class
+                  and "forward" in vars(c)}.values())  # not the part's abstract PreTrainedModel
+    takes_ids = [c for c in found if list(inspect.signature(c.forward).parameters)[1:2] == ["input_ids"]]
+    return (takes_ids or found or [None])[0]
 
 
 def tokens(n: int, generator: torch.Generator) -> dict:
@@ -237,7 +334,7 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     if layout.experts_only and not arch["experts"]:
         return {"result": "n/a", "detail": "no expert plan"}
     if arch["model"] is None:
-        return {"result": "composite part", "detail": "transformers maps no model class to this config alone"}
+        return {"result": "composite part", "detail": "no model class builds this config alone"}
     causal = arch["model"].endswith("ForCausalLM")
     start = time.monotonic()
     try:
@@ -340,17 +437,20 @@ INTRO = ("# transformers conformance",
          "through transformers' own stack (`tpdp-verify plan --stack transformers`: its TP layers, its EP,",
          "its FSDP2 with the model's `fsdp_plan`) and judged against one device in float64 and against",
          "transformers' own DP alone. A causal LM trains on its own loss from labels; a base model on the",
-         "mean square of its output. Regenerate (about 25 minutes on 2 cores):",
+         "mean square of its output. A composite model's part that transformers maps no class to (a",
+         "multimodal model's text part) runs as the model class its modeling module builds on that config,",
+         "its config as the composite builds it. Regenerate (about 25 minutes on 2 cores):",
          "",
          "    python -m tpdp_verify.integrations.conformance --markdown docs/transformers-conformance.md",
          "",
          "A cell is PASS; n/a (EP for an architecture without an expert plan); DIVERGES with a finding's",
          "code (below: whose code, its reproduction, `tpdp-verify report T1` drafts the issue) or a torch",
          "fault of the catalog (docs/known-divergences.md), or with where",
-         "and how it departs where no finding explains it yet; composite part: a config class transformers",
-         "maps no model class to alone (a part of a composite model); or not run, with why: a tiny config",
-         "or token input this derivation does not fit to the architecture (a limitation of the table, not a",
-         "verdict: the architecture's own tester config would lift it). Layouts: tp",
+         "and how it departs where no finding explains it yet; composite part: a part no model class builds",
+         "alone (its composite's classes take the composite's config); or not run, with why: a tiny config",
+         "or token input this derivation does not fit to the architecture, or a part whose forward needs",
+         "what its composite hands it (pixels, audio, an encoder's states) (a limitation of the table, not",
+         "a verdict: the architecture's own tester config and inputs would lift it). Layouts: tp",
          "(DistributedConfig(tp_size=2)), tp_fsdp2 (fsdp_size=2), hsdp (dp_replicate_size=2), ep (ep_size=2,",
          "experts split by expert).")
 

@@ -77,9 +77,12 @@ FINDINGS = (
             "q_proj and k_proj colwise_gather_output (the norms see every head), or norms that all-reduce their "
             "statistics over tp",
             "t4_esmc_norm_over_every_head.py"),
-    Finding("T5", "transformers", ("qwen3_vl_moe_text",), ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
-            "Qwen3-VL-MoE's text model under TP trains its per-head query and key norms on each rank's heads alone",
-            "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe:Qwen3VLMoeTextConfig.base_model_tp_plan",
+    Finding("T5", "transformers", ("qwen3_vl_moe_text", "qwen3_omni_moe_text"),
+            ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+            "Qwen3-VL-MoE's text model (and Qwen3-Omni-MoE's thinker text model) under TP trains its per-head query "
+            "and key norms on each rank's heads alone",
+            "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe:Qwen3VLMoeTextConfig.base_model_tp_plan; "
+            "transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe:Qwen3OmniMoeTextConfig.base_model_tp_plan",
             'add "layers.*.self_attn.q_norm" and "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce" '
             "to the plan, as Qwen3's and Qwen3-MoE's have",
             "t5_qwen3_vl_moe_head_norms_unreduced.py"),
