@@ -290,6 +290,42 @@ def tokens(n: int, generator: torch.Generator) -> dict:
     return {"input_ids": torch.randint(3, VOCAB, (n, SEQ), generator=generator)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """input_fn of a row whose model does not take token ids: the embeddings a composite
+    hands its part (Qwen3-Omni's talker: ``inputs_embeds``), or images for a vision model
+    (``pixel_values``, the config's channels at its image size). Module-level, as Tiny."""
+
+    model_type: str
+    kind: str  # "inputs_embeds" or "pixel_values"
+
+    def __call__(self, n: int, generator: torch.Generator) -> dict:
+        config = tiny_config(self.model_type)
+        if self.kind == "inputs_embeds":
+            return {"inputs_embeds": torch.randn(n, SEQ, config.hidden_size, generator=generator)}
+        side = getattr(config, "image_size", 32)
+        side = side if isinstance(side, int) else side[0]
+        return {"pixel_values": torch.randn(n, getattr(config, "num_channels", 3), side, side, generator=generator)}
+
+
+def input_fn(model_type: str, causal: bool):
+    """What the row's model takes: token ids (with labels for a causal LM's own loss), else
+    the first of Inputs' kinds its forward names and runs on, tried on one device in float32
+    (a part's forward may name input_ids and still refuse them). Token ids where none runs:
+    the row then says how they fail."""
+    ids = tokens_and_labels if causal else tokens
+    model = Tiny(model_type)()
+    names = set(inspect.signature(model.forward).parameters)
+    for fn in [ids] + [Inputs(model_type, k) for k in ("inputs_embeds", "pixel_values") if k in names]:
+        try:
+            with torch.no_grad():
+                model(**fn(2, torch.Generator().manual_seed(0)))
+        except Exception:
+            continue
+        return fn
+    return ids
+
+
 def tokens_and_labels(n: int, generator: torch.Generator) -> dict:
     """A causal LM's own loss: the same ids as labels."""
     ids = torch.randint(3, VOCAB, (n, SEQ), generator=generator)
@@ -340,7 +376,7 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     try:
         report = verify_plan(Tiny(model_type), parallelize_fn=getattr(stack, layout.parallelize),
                              dp_alone_fn=stack.dp_alone, dp="own", mesh=layout.mesh,
-                             input_fn=tokens_and_labels if causal else tokens, loss_fn=own_loss if causal else None,
+                             input_fn=_input_fn(model_type, causal), loss_fn=own_loss if causal else None,
                              steps=2, pool=pools[math.prod(layout.mesh)], replay=replay(model_type, layout))
     except UsageError as exc:
         return {"result": "not run", "detail": " ".join(str(exc).split()),
@@ -352,6 +388,14 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
     return {"result": report.status.label, "departs": not report.ok, "finding": finding,
             "detail": "" if report.ok else _departure(report), "seconds": round(time.monotonic() - start, 1),
             "substituted": report.one_device.substituted}
+
+
+def _input_fn(model_type: str, causal: bool):
+    """input_fn, or token ids where the model does not build (verify_plan says why)."""
+    try:
+        return input_fn(model_type, causal)
+    except Exception:
+        return tokens_and_labels if causal else tokens
 
 
 def replay(model_type: str, layout: Layout) -> str:
@@ -439,7 +483,8 @@ INTRO = ("# transformers conformance",
          "transformers' own DP alone. A causal LM trains on its own loss from labels; a base model on the",
          "mean square of its output. A composite model's part that transformers maps no class to (a",
          "multimodal model's text part) runs as the model class its modeling module builds on that config,",
-         "its config as the composite builds it. Regenerate (about 25 minutes on 2 cores):",
+         "its config as the composite builds it; one whose forward refuses token ids gets the embeddings",
+         "its composite would hand it (Qwen3-Omni's talker). Regenerate (about 25 minutes on 2 cores):",
          "",
          "    python -m tpdp_verify.integrations.conformance --markdown docs/transformers-conformance.md",
          "",
