@@ -182,16 +182,15 @@ def _gate(*args, cwd=TESTS):
 
 
 @pytest.mark.timeout(600)
-def test_the_smoke_gate_passes_against_the_release_with_no_environment(tmp_path):
+def test_the_smoke_gate_passes_against_the_release_with_no_environment(smoke_against_the_release):
     """Every property draws its full budget past torch's known faults, and the files a CI
-    reads agree with the exit code."""
+    reads agree with the exit code (the run: conftest's smoke_against_the_release)."""
     import xml.etree.ElementTree as ET
 
-    out = _gate("--baseline", "torch==2.13.0", "--no-install", "--json", str(tmp_path / "gate.json"),
-                "--junit", str(tmp_path / "junit.xml"))
+    out, files = smoke_against_the_release, smoke_against_the_release.dir
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " 0 new, 0 changed, " in out.stdout
-    record = json.loads((tmp_path / "gate.json").read_text())
+    record = json.loads((files / "gate.json").read_text())
     assert record["exit_code"] == 0 and record["counts"]["known"] > 0 and record["counts"]["diverges"] == 0
     assert record["baseline"]["name"] == "torch==2.13.0" and not record["baseline"]["blocks"]
     assert all(p["drawn"] == p["wanted"] == 10 and not p["drew_fewer"] for p in record["properties"])
@@ -203,7 +202,7 @@ def test_the_smoke_gate_passes_against_the_release_with_no_environment(tmp_path)
     assert f"the fault catalog explains {catalog['known']} of {catalog['known']} known failures" in out.stdout
     assert all(f["faults"] for p in record["properties"] for f in p["findings"])
     assert len(out.stdout.splitlines()) < 60  # known only: it fits in a screen
-    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    suite = ET.parse(files / "junit.xml").getroot().find("testsuite")
     assert (suite.get("failures"), suite.get("errors")) == ("0", "0")
 
 

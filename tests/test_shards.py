@@ -171,12 +171,12 @@ SMOKE = ("--profile", "smoke", "--baseline", "torch==2.13.0")
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """The suite at smoke against the shipped baseline, whole: what the splits must give."""
-    cwd = tmp_path_factory.mktemp("smoke")
-    whole = gate(*SMOKE, "--json", "whole.json", "--junit", "whole.xml", cwd=cwd)
+def smoke(smoke_against_the_release):
+    """The suite at smoke against the shipped baseline, whole (conftest's run, which
+    test_baseline judges too): what the splits must give. Its gate.json and junit.xml."""
+    whole = smoke_against_the_release
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr
-    return cwd
+    return whole.dir
 
 
 @pytest.mark.timeout(900)
@@ -186,9 +186,9 @@ def test_the_suite_split_in_two_and_merged_gives_the_whole_runs_verdict_against_
         assert part.returncode == 0 and f"shard {k}/2: " in part.stdout, part.stdout[-3000:] + part.stderr
     out = merged("part1.json", "part2.json", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    got, expected = json.loads((tmp_path / "merged.json").read_text()), json.loads((smoke / "whole.json").read_text())
+    got, expected = json.loads((tmp_path / "merged.json").read_text()), json.loads((smoke / "gate.json").read_text())
     assert verdict(got) == verdict(expected)
-    assert cases(tmp_path / "merged.xml") == cases(smoke / "whole.xml")
+    assert cases(tmp_path / "merged.xml") == cases(smoke / "junit.xml")
 
 
 def collected(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -230,7 +230,7 @@ def test_the_suite_as_pytest_items_over_two_workers_gives_the_gates_verdicts(smo
              if "Captured" in line or "Warning" in line or line.startswith(("[W", "[I", "[E"))]
     assert not noise, noise
     verdicts = {f"{p['name']}[world_size={p['world_size']}]": p["status"] in ("pass", "known")
-                for p in json.loads((smoke / "whole.json").read_text())["properties"]}
+                for p in json.loads((smoke / "gate.json").read_text())["properties"]}
     assert {name: status == "ok" for name, status in cases(tmp_path / "items.xml")} == verdicts
     known = {p.get("value") for p in ET.parse(tmp_path / "items.xml").getroot().iter("property")
              if p.get("name") == "known"}
