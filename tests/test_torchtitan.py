@@ -53,6 +53,16 @@ def test_parallelize_llama_trains_like_one_device_and_like_its_fsdp_alone(pool4)
     assert {r.name for r in report.one_device.rows if r.what == "buffer"} >= {ROPE}
 
 
+def test_parallelize_llama_over_a_3d_mesh_trains_its_hsdp_like_one_device(pool4):
+    """The harness's (dp_replicate, dp_shard, tp) mesh becomes torchtitan's ParallelDims with
+    dp_replicate 2, and its parallelize_llama shards over the 2-D DP mesh (HSDP): the
+    replicas agree and train as one device. (2, 2, 2) passes too, measured by hand (8 ranks)."""
+    report = own(mesh=(2, 1, 2), pool=pool4)
+    assert report.status == "pass", str(report)
+    lines = {x.check: x for x in report.lines}
+    assert lines["DP replicas equal"].compared > 0 and lines["gradients vs plain DDP"].compared > 0
+
+
 def test_a_loss_that_averages_under_a_dp_that_sums_diverges(pool4):
     """torchtitan's FSDP2 sums gradients (divide factor 1.0): a per-batch mean loss under it
     doubles every gradient at dp 2; the trainer's loss without loss_share halves the loss."""
