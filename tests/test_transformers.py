@@ -134,6 +134,9 @@ def test_moe_experts_run_as_they_come_and_eagerly_in_the_exact_run(pool4):
     said = " ".join(str(report).split())
     assert "the exact run (one device, float64) substituted: the MoE experts ran eagerly" in said
     assert report.to_dict()["exact_run_substituted"] == report.one_device.substituted
+    # the experts EP splits count among what the plan sharded, said apart from TP's
+    keys = {x.check: x for x in report.lines}["plan keys resolve"]
+    assert " by EP and wrapped DP itself" in " ".join(keys.detail.split()) and keys.compared > 0
 
 
 def test_a_wrong_override_in_transformers_own_stack_is_named(pool):

@@ -306,11 +306,20 @@ def tp_sharded(model: nn.Module, shapes: dict) -> list[str]:
                 hasattr(p, "_st_info") or p.shape != shapes.get(n, p.shape))]
 
 
-def check_on_ranks(pool, case: TrainCase) -> tuple[int, str, str]:
+def ep_sharded(model: nn.Module) -> list[str]:
+    """The parameters expert parallelism holds apart: DTensors on a mesh with an ep dimension
+    (transformers' EP: the experts split by expert over ("efsdp", "ep"))."""
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in model.named_parameters(remove_duplicate=False)
+            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
+
+
+def check_on_ranks(pool, case: TrainCase) -> tuple[int, int, str, str]:
     """Run ``preflight`` on every rank; raise the first problem; return how many plan keys
-    were checked (or parameters a parallelize function sharded), the DP entry point the
-    ranks train under (the one a parallelize function applied itself, for dp="own") and how
-    it sees the mesh (TrainCase.dp_mesh_dims).
+    were checked (or parameters a parallelize function sharded by TP), how many parameters
+    it sharded by EP, the DP entry point the ranks train under (the one a parallelize
+    function applied itself, for dp="own") and how it sees the mesh (TrainCase.dp_mesh_dims).
     Weights must agree on every rank and with the parent's own build."""
     from tpdp_verify.ranks.loop import build
 
@@ -329,7 +338,7 @@ def check_on_ranks(pool, case: TrainCase) -> tuple[int, str, str]:
     if user.parallelize_fn is not None:
         return pool.run(_sharded, case)[0]
     keys = len(user.plan) if not callable(user.plan) else len(pool.run(_plan_keys, case)[0])
-    return keys, case.entry, case.dp_mesh_dims
+    return keys, 0, case.entry, case.dp_mesh_dims
 
 
 def _plan_keys(case: TrainCase) -> list[str]:
@@ -340,9 +349,9 @@ def _plan_keys(case: TrainCase) -> list[str]:
     return list(plan_for(fixture(case), case, device_mesh(case.mesh_shape, case.mesh_dims)["tp"]))
 
 
-def _sharded(case: TrainCase) -> tuple[int, str, str]:
+def _sharded(case: TrainCase) -> tuple[int, int, str, str]:
     """On every rank: how many parameters the user's parallelize function holds apart by
-    TP, the DP entry point it trains under and how that sees the mesh."""
+    TP and by EP, the DP entry point it trains under and how that sees the mesh."""
     from tpdp_verify.ranks.entries import own_entry, spmd_form
     from tpdp_verify.ranks.loop import build, fixture
     from tpdp_verify.ranks.rank import device_mesh
@@ -352,5 +361,5 @@ def _sharded(case: TrainCase) -> tuple[int, str, str]:
     shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
     model = apply_tp(fixture(case), case, model, device_mesh(case.mesh_shape, case.mesh_dims))
     if case.entry != "own":
-        return len(tp_sharded(model, shapes)), case.entry, case.dp_mesh_dims
-    return len(tp_sharded(model, shapes)), own_entry(model), spmd_form(model)
+        return len(tp_sharded(model, shapes)), len(ep_sharded(model)), case.entry, case.dp_mesh_dims
+    return len(tp_sharded(model, shapes)), len(ep_sharded(model)), own_entry(model), spmd_form(model)

@@ -107,10 +107,10 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         warm_up(tuple(dict.fromkeys(fn.__module__ for fn in users
                                     if fn is not None and fn.__module__ not in ("__main__", "__mp_main__"))))
     pool = RankPool(world, backend, timeout=timeout, output=rank_output, waiting=waiting) if owned else pool
-    keys, entry, spmd = 0, case.entry, case.dp_mesh_dims
+    keys, experts, entry, spmd = 0, 0, case.entry, case.dp_mesh_dims
     plain_run = case.entry != "own" or dp_alone_fn is not None  # the same DP without TP: torch's, or the user's
     try:
-        keys, entry, spmd = check_on_ranks(pool, case)
+        keys, experts, entry, spmd = check_on_ranks(pool, case)
         one = verdict_one_device(pool, impl, case)
         plain = verdict_plain_ddp(pool, impl, case) if plain_run else Verdict(against="plain DDP")
     except (PoolError, RankFailed) as exc:  # ranks that raised, hung or died in the user's code
@@ -121,10 +121,11 @@ def verify_plan(model_fn: Callable[[], nn.Module], plan=None, *, parallelize_fn:
         if owned:
             pool.close()
     form = dataclasses.replace(case, entry=entry, dp_mesh_dims=spmd).dp_form if entry else ""
-    detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors" \
-        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP and " \
+    by_ep = f", {experts} by EP" if experts else ""
+    detail = None if parallelize_fn is None else f"parallelize_fn made {keys} parameters DTensors{by_ep}" \
+        if case.entry != "own" else f"parallelize_fn sharded {keys} parameters by TP{by_ep} and " \
         + (f"wrapped DP itself ({form})" if form else "applied no DP (one dp rank)")
-    return Report.of(case, keys, one, plain, replay or script(case, impl, plan, baseline), detail,
+    return Report.of(case, keys + experts, one, plain, replay or script(case, impl, plan, baseline), detail,
                      baseline or "", known, "" if plain_run else OWN_DP)
 
 
