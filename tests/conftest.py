@@ -18,6 +18,22 @@ SMOKE_AGAINST_THE_RELEASE = ("gate", "--profile", "smoke", "--baseline", "torch=
                              "--json", "gate.json", "--junit", "junit.xml")
 
 
+# The test files taking the most of `make test`'s time, the longest first (its --durations,
+# summed by file, 2026-11-28). xdist's loadfile hands a worker the next file in collection
+# order as it frees up, so a long file collected late leaves the other worker idle at the end;
+# handed out first, the short ones fill in after (longest-processing-time-first). The rest
+# keep their order, after these; within a file nothing moves.
+LONGEST_FIRST = ("test_shards.py", "test_cli.py", "test_conformance.py", "test_gate_power.py", "test_training.py",
+                 "test_baseline.py", "test_transformers.py", "test_replay.py", "test_packaging.py", "test_plugin.py",
+                 "test_totality.py", "test_structure.py", "test_faults.py", "test_checkpoint.py",
+                 "test_large_dp.py", "test_torchtitan.py", "test_repros.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _own_cache(tmp_path_factory):
     saved = os.environ.get("TPDP_VERIFY_CACHE")
