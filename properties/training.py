@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 
 import hypothesis
@@ -23,6 +24,7 @@ from tpdp_verify.cases.training import (
     BUILT,
     CLIP_BY,
     DDP_ENTRIES,
+    DTENSOR,
     ENTRIES,
     FSDP2_ENTRIES,
     HALF,
@@ -328,10 +330,17 @@ def every_habit(strategies: dict) -> list[dict]:
     them, fault 33), FSDP1 and both FSDP2 entry points. Not drawn: a habit drawn for one
     model would move the fixed draws of every training property, whose answers the shipped
     memo holds. The entry points are every_clip's and FSDP1: each other one is a search of
-    its own wherever a narrowed space lacks it (a test's)."""
+    its own wherever a narrowed space lacks it (a test's). And the buffers model in the SPMD
+    form with its buffers sharded over tp (Habits.buffers "sharded"), run by DTensor's own
+    program with no wrapper, 2 dp ranks: FSDP2 over the SPMD mesh departs in every gradient
+    on torch 2.13 (fault 17), which would hide it; a model holding local activations beside
+    its buffers (every other entry point) cannot read a shard of them."""
     through = every_entry(strategies, ("ddp_mesh", "fsdp1", *FSDP2_ENTRIES))
     covers = [dataclasses.replace(c, habits=Habits(checkpoint=True)) for c in through if c.entry == "fsdp1"]
     covers += [dataclasses.replace(c, model="buffers", habits=Habits(buffers="dtensor")) for c in through]
+    covers += [dataclasses.replace(c, model="buffers", entry=DTENSOR, dp_mesh_dims="replicate",
+                                   mesh_shape=(2, math.prod(c.mesh_shape) // 2), habits=Habits(buffers="sharded"))
+               for c in through if c.entry == "fully_shard" and math.prod(c.mesh_shape) >= 4]
     return every_clip(strategies) + [{"case": c} for c in covers]
 
 

@@ -301,9 +301,12 @@ class Loss:
 BETWEEN = ("", "eval", "no_grad", "submodule")
 # How the model holds its buffers after TP (Habits.buffers): "" as built; "dtensor" each a
 # DTensor replicated over tp, as torchtitan holds its RoPE cache (the model reads their local
-# values). The cover cases of entry_points_train_like_one_device set it on the buffers model
-# (BUFFERED), whose forward reads them.
-BUFFERS = ("", "dtensor")
+# values); "sharded" in the SPMD form (TrainCase.dp_mesh_dims), where DTensor's own program
+# meets them: each buffer of a dim or more sharded on its first dim over tp (a per-feature
+# table split as the features are), replicated over dp. The cover cases of
+# entry_points_train_like_one_device set them on the buffers model (BUFFERED), whose forward
+# reads them.
+BUFFERS = ("", "dtensor", "sharded")
 BUFFERED = ("buffers",)
 IGNORED = ("frozen", "trained")
 

@@ -135,11 +135,11 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
 def on_the_whole_mesh(case: TrainCase, model, mesh):
     """The SPMD form (TrainCase.dp_mesh_dims): each parameter a DTensor on the whole mesh,
     Replicate() on the dp dimensions and placed on tp as the plan's styles place it (read from
-    a twin parallelized on mesh["tp"]), each buffer replicated. No style's hooks are left: the
-    forward is DTensor's own program over inputs sharded on dp (``spmd_io``), as fully_shard's
-    dp_mesh_dims expects."""
+    a twin parallelized on mesh["tp"]), each buffer replicated (or sharded on tp: Habits.buffers).
+    No style's hooks are left: the forward is DTensor's own program over inputs sharded on dp
+    (``spmd_io``), as fully_shard's dp_mesh_dims expects."""
     from torch import nn
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     twin = apply_tp(fixture(case), case, build(case), mesh)
     placed = {n: p.placements for n, p in twin.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
@@ -150,9 +150,12 @@ def on_the_whole_mesh(case: TrainCase, model, mesh):
             made[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, where), requires_grad=p.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, made[id(p)])
+    sharded = case.habits.buffers == "sharded"
     for name, b in list(model.named_buffers()):  # replicated everywhere, as distribute_module leaves them
         owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._buffers[attr] = distribute_tensor(b, mesh, (Replicate(),) * mesh.ndim)
+        on_tp = Shard(0) if sharded and b.ndim else Replicate()
+        model.get_submodule(owner)._buffers[attr] = distribute_tensor(b, mesh, (Replicate(),) * len(case.dp_dims)
+                                                                      + (on_tp,))
     return model
 
 
