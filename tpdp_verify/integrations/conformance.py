@@ -379,7 +379,8 @@ def run_row(model_type: str, arch: dict, layout: Layout, pools: dict) -> dict:
                              input_fn=_input_fn(model_type, causal), loss_fn=own_loss if causal else None,
                              steps=2, pool=pools[math.prod(layout.mesh)], replay=replay(model_type, layout))
     except UsageError as exc:
-        return {"result": "not run", "detail": " ".join(str(exc).split()),
+        said = " ".join(str(exc).split())  # a model that cannot be verified may be a finding itself (T7)
+        return {"result": "not run", "detail": said, "finding": explained(model_type, said),
                 "seconds": round(time.monotonic() - start, 1)}
     except PoolError as exc:  # the ranks would not start again: the harness's, no verdict
         return {"result": "INFRA", "detail": " ".join(str(exc).split()), "seconds": round(time.monotonic() - start, 1)}
@@ -533,7 +534,7 @@ def _cell(row: dict | None) -> str:
     if row is None:
         return ""
     if row["result"] in ("not run", "composite part"):
-        return f"{row['result']}: {row['detail']}"
+        return f"{row['result']}: {row['finding'] + ': ' if row.get('finding') else ''}{row['detail']}"
     if row.get("finding"):
         return f"{row['result']}: {row['finding']}"
     return row["result"] + (f": {row['detail']}" if row.get("detail") else "")

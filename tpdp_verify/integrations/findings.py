@@ -94,6 +94,12 @@ FINDINGS = (
             'shard alpha by head as the heads are ("layers.*.self_attn.exclusive_self_attention.alpha": a dim-0 '
             "local shard over tp)",
             "t6_neomme_scale_for_every_head.py"),
+    Finding("T7", "transformers", ("qwen3_omni_moe_talker_text",), ("builds different weights on rank",),
+            "Qwen3-Omni-MoE's talker model, built from its config, leaves its experts' weights uninitialized",
+            "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe:Qwen3OmniMoePreTrainedModel._init_weights",
+            "initialize Qwen3OmniMoeTalkerTextExperts (gate_up_proj, down_proj) in _init_weights, as the "
+            "thinker's sparse block's experts are",
+            "t7_qwen3_omni_talker_experts_uninitialized.py"),
 )
 
 
