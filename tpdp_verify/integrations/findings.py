@@ -28,6 +28,7 @@ class Finding:
     source: str  # the code at fault, "module:qualname" or the plan
     fix: str  # what would fix it, one line
     repro: str  # the file in repros/
+    sharded: bool = True  # its reproduction shards the model (a TP fault); else it only builds it on the ranks
 
     @property
     def repro_path(self) -> Path:
@@ -99,7 +100,7 @@ FINDINGS = (
             "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe:Qwen3OmniMoePreTrainedModel._init_weights",
             "initialize Qwen3OmniMoeTalkerTextExperts (gate_up_proj, down_proj) in _init_weights, as the "
             "thinker's sparse block's experts are",
-            "t7_qwen3_omni_talker_experts_uninitialized.py"),
+            "t7_qwen3_omni_talker_experts_uninitialized.py", sharded=False),
 )
 
 
@@ -141,11 +142,12 @@ def issue(f: Finding, runs: bool = True) -> str:
     text = f.repro_path.read_text()
     told = (ast.get_docstring(ast.parse(text)) or "").split("\n\n", 1)
     what = told[1].rsplit("\nRun:", 1)[0].strip() if len(told) > 1 else f.title
-    out = [f"title: [TP] {f.title}", f"file at: {PROJECTS[f.project]}", "", "### What is wrong", "", what, "",
-           "### Reproduction", "",
-           f"Needs torch and {f.project}; spawns its own 2 gloo ranks on the CPU and shards the model as "
-           f"{f.project} does. Save as `{f.repro}` and run `python {f.repro}`: it prints what was expected "
-           "and what the ranks did, and exits 1 while the fault is present, 0 once it is fixed.", "",
+    ranks = f"shards the model as {f.project} does" if f.sharded else "builds the model on each"
+    out = [f"title: {'[TP] ' if f.sharded else ''}{f.title}", f"file at: {PROJECTS[f.project]}", "",
+           "### What is wrong", "", what, "", "### Reproduction", "",
+           f"Needs torch and {f.project}; spawns its own 2 gloo ranks on the CPU and {ranks}. Save as "
+           f"`{f.repro}` and run `python {f.repro}`: it prints what was expected and what the ranks did, and "
+           "exits 1 while the fault is present, 0 once it is fixed.", "",
            "```python", text.rstrip(), "```", ""]
     if runs:
         shown = faults_issue.run(f, sys.executable)
