@@ -334,14 +334,41 @@ def every_habit(strategies: dict) -> list[dict]:
     form with its buffers sharded over tp (Habits.buffers "sharded"), run by DTensor's own
     program with no wrapper, 2 dp ranks: FSDP2 over the SPMD mesh departs in every gradient
     on torch 2.13 (fault 17), which would hide it; a model holding local activations beside
-    its buffers (every other entry point) cannot read a shard of them."""
+    its buffers (every other entry point) cannot read a shard of them. Last, the MLP's SPMD
+    batches that do not divide over the dp ranks (uneven_batches)."""
     through = every_entry(strategies, ("ddp_mesh", "fsdp1", *FSDP2_ENTRIES))
     covers = [dataclasses.replace(c, habits=Habits(checkpoint=True)) for c in through if c.entry == "fsdp1"]
     covers += [dataclasses.replace(c, model="buffers", habits=Habits(buffers="dtensor")) for c in through]
     covers += [dataclasses.replace(c, model="buffers", entry=DTENSOR, dp_mesh_dims="replicate",
                                    mesh_shape=(2, math.prod(c.mesh_shape) // 2), habits=Habits(buffers="sharded"))
                for c in through if c.entry == "fully_shard" and math.prod(c.mesh_shape) >= 4]
+    covers += uneven_batches([c for c in through if c.entry == "fully_shard"])
     return every_clip(strategies) + [{"case": c} for c in covers]
+
+
+# Rows short of an even SPMD batch (TrainCase.batch_short) of 2 a dp rank over 2 x 2 dp ranks:
+# none (the even batch, beside them); 5 rows as (2, 1, 1, 1), chunks of chunks; 3 as (1, 1, 1, 0),
+# a dp rank with none
+SHORT = (0, 3, 5)
+
+
+def uneven_batches(found: list[TrainCase]) -> list[TrainCase]:
+    """The MLP's SPMD form through DTensor's own program (no wrapper: FSDP2 over the SPMD mesh
+    departs in every gradient on torch 2.13, fault 17, which would hide it) with a global batch
+    that does not divide over the dp ranks, the loss each rank's mean and the sum: over one dp
+    dim (2, the rest tp), and over two on a (2, 2, tp) mesh whose flattened dp submesh the
+    ranks build as a trainer does (a rank's rows a chunk of a chunk; the even batch beside).
+    Models whose layers see a sequence dim are not run so: DTensor refuses to flatten a batch
+    dim that does not divide over its mesh dim (docs/properties.md, "Uneven batches")."""
+    out = []
+    for c in found:
+        world = math.prod(c.mesh_shape)
+        shorts = {(2, world // 2): (1,)} | ({(2, 2, world // 4): SHORT} if world >= 4 else {})
+        out += [dataclasses.replace(c, model="mlp", entry=DTENSOR, dp_mesh_dims="replicate", mesh_shape=mesh,
+                                    local_batch=2, batch_short=short, loss_reduction=reduction, fsdp=FSDP2Options(),
+                                    habits=Habits())
+                for mesh, rows in shorts.items() for short in rows for reduction in ("", "sum")]
+    return out
 
 
 def every_reduction(strategies: dict) -> list[dict]:

@@ -111,6 +111,10 @@ def values(c) -> list[str]:
         out.extend([f"dp sums under {c.entry}'s policy, accumulate={min(c.accumulate, 2)}"])
     if c.entry == "fully_shard":
         out.extend([f"fsdp.reshard_after_forward={fsdp.reshard_after_forward}"])
+    if c.dp_mesh_dims:  # the batch a DTensor sharded over the dp dims: its rows a dp rank (TrainCase.rows)
+        rows = [len(range(c.global_batch)[c.rows(d)]) for d in range(c.dp)]
+        out.extend([f"spmd batch {'even' if len(set(rows)) == 1 else 'uneven'} over {len(c.dp_dims)} dp dims"]
+                   + (["spmd batch with a dp rank of no rows"] if 0 in rows else []))
     return out
 
 
@@ -138,6 +142,8 @@ EXPECTED = (
     + [f"habits.ignored={v}" for v in ("", *IGNORED)]
     + [f"habits.checkpoint=True under {e}" for e in ("ddp", *FSDP2, "fsdp1")]
     + [f"habits.buffers={v}" for v in BUFFERS]
+    + [f"spmd batch {v} over {n} dp dims" for v in ("even", "uneven") for n in (1, 2)]
+    + ["spmd batch with a dp rank of no rows"]
 )
 
 
@@ -207,9 +213,8 @@ def _a_rank_all_ignored(c) -> bool:
     """Whether some dp rank's rows of some microbatch are all padding (the loss's IGNORE)."""
     from tpdp_verify.fixtures.losses import IGNORE
     from tpdp_verify.ranks.loop import batches
-    from tpdp_verify.ranks.tp_dp import rows
 
-    return any((b["target"][rows(c, r)] == IGNORE).all() for micro in batches(c) for b in micro for r in range(c.dp))
+    return any((b["target"][c.rows(r)] == IGNORE).all() for micro in batches(c) for b in micro for r in range(c.dp))
 
 
 def loss_expected() -> list[str]:

@@ -78,22 +78,19 @@ HARNESS_WRAP = "the harness: its FSDP1 wrap policy makes a ModuleList a unit, wh
 HARNESS_LOSS = "the harness: fixtures.losses.token_cross_entropy mixes full_tensor() with the DTensor weight on a tp mesh of 1 in the SPMD form"
 HARNESS_TEACHER = ("the harness: fixtures.losses._like redistributes the SPMD form's replicated teacher to the "
                    "logits' placements, Partial(sum) under loss_parallel on a tp mesh of 1, which DTensor refuses")
-EMPTY = "torch, not yet shrunk: FSDP2 with an empty TP shard beside fault 22 (replicas disagree on the state_dict before training; _dynamo asserts with shard_dim=1; the optimizer's step raises)"
+EMPTY = "torch, not yet shrunk: FSDP2 with an empty TP shard beside fault 22 (replicas disagree on the state_dict before training; _dynamo asserts with shard_dim=1)"
 UNCATALOGUED = {
     **{(p, part): EMPTY for p in ("state_dict_like_unsharded", "entry_points_state_dict_like_unsharded",
                                   "large_dp_state_dict_like_unsharded")
        for part in ("check:every-rank-has-the-same-state_dict-entries", "check:replicas-agree-on-the-state_dict",
                     "check:replicas-agree-on-the-state_dict-before-training",
                     "check:replicas-agree-on-the-trained-model")},
-    **{(p, "raised:RuntimeError at torch/optim/optimizer.py:_use_grad"): EMPTY
-       for p in ("entry_points_train_like_one_device", "trains_like_one_device", "trains_like_plain_ddp")},
     ("large_dp_trains_like_plain_dp", "raised:AssertionError at torch/_dynamo/eval_frame.py:_fn"): EMPTY,
     **{(p, part): HARNESS_SPMD for p in ("large_dp_trains_like_one_device", "large_dp_trains_like_plain_dp",
                                          "losses_train_like_one_device")
        for part in ("check:every-optimizer-state-is-there", "check:trainable-parameters-move-as-in-the-oracle")},
     **{("large_dp_trains_like_one_device", f"raised:RuntimeError at torch/nn/modules/{at}"): HARNESS_WRAP
        for at in ("container.py:forward", "normalization.py:forward", "module.py:_wrapped_call_impl")},
-    ("large_dp_trains_like_one_device", "raised:RuntimeError at torch/optim/optimizer.py:_use_grad"): HARNESS_WRAP,
     ("losses_train_like_one_device", "raised:RuntimeError at torch/distributed/tensor/_api.py:redistribute"):
         HARNESS_TEACHER,
     ("large_dp_checkpoint_resumes", "raised:RuntimeError"): HARNESS_LOSS,

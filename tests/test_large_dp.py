@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from types import SimpleNamespace
 
@@ -175,3 +176,44 @@ def test_the_spmd_forms_checkpoints_read_its_buffers_whole(tpdp_pools):
     case = TrainCase(model="buffers", mesh_shape=(2, 2), entry="fully_shard", dp_mesh_dims="shard")
     verdict = verdict_state_dict(tpdp_pools.get(4), "torch", case, worth_explaining)
     assert verdict.ok and len(verdict.checks) > 20, verdict.report()
+
+
+@pytest.mark.timeout(300)
+def test_dtensor_refuses_a_batch_that_does_not_divide_where_a_layer_flattens_it(tpdp_pools):
+    """Why the uneven SPMD batches (properties/training.py uneven_batches) are the MLP's: a
+    Linear over a (batch, seq, dim) DTensor flattens its batch dims, which DTensor refuses
+    where the batch does not divide over its mesh dim; the same batch of a sample fewer trains
+    the MLP exactly, and the sequence model trains on an even batch."""
+    from tpdp_verify.properties.losses import EDGE_SIZE
+    from tpdp_verify.cases.training import Loss
+
+    pool = tpdp_pools.get(4)
+    spmd = dict(entry="dtensor", dp_mesh_dims="replicate", mesh_shape=(2, 2), local_batch=2)
+    sequence = TrainCase(model="lm_head", size=EDGE_SIZE, loss=Loss(reduction="sum", parallel=False, over="batch"),
+                         **spmd)
+    short = dataclasses.replace(sequence, batch_short=1)
+    raised = {t.error for t in pool.run(observe, short, "torch")}
+    assert all("Cannot flatten unevenly sharded tensor" in e for e in raised), raised
+    for case in (sequence, TrainCase(model="mlp", batch_short=1, **spmd)):
+        verdict = _judged(pool, observe, case, "torch")
+        assert verdict.ok and len(verdict.rows) > 0, verdict.report()
+
+
+def test_a_dp_ranks_rows_are_torch_chunks_of_chunks_in_rank_order():
+    """TrainCase.rows, the rows each dp rank takes of a batch that does not divide over the
+    dp dims (batch_short): torch.chunk on each dp dim in turn, outer first, a rank past the
+    last chunk empty (as DTensor's Shard(0) lays them out); the ranks' rows tile the batch."""
+    def chunks(t, n):
+        got = list(torch.chunk(t, n))
+        return got + [t[:0]] * (n - len(got))
+
+    for mesh in ((2, 1), (4, 2), (2, 2, 1), (2, 3, 2)):
+        for short in range(math.prod(mesh[:-1]) * 2):
+            case = TrainCase(mesh_shape=mesh, entry="dtensor", dp_mesh_dims="replicate", batch_short=short)
+            pieces = [torch.arange(case.global_batch)]
+            for size in mesh[:-1]:
+                pieces = [c for p in pieces for c in chunks(p, size)]
+            assert [torch.arange(case.global_batch)[case.rows(d)].tolist() for d in range(case.dp)] == \
+                [p.tolist() for p in pieces], (mesh, short)
+    with pytest.raises(ValueError, match="needs the SPMD form"):
+        TrainCase(mesh_shape=(2, 2), batch_short=1)

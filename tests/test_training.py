@@ -139,17 +139,24 @@ def test_a_block_called_directly_under_fsdp_raises_without_tp_too(tpdp_pool, ent
 
 
 def test_a_direct_output_is_put_back_from_tp_shards_and_judged():
-    """Each dp group's tp pieces, shards along one dimension, against the oracle's rows; a
-    wrong piece departs; pieces that make no oracle shape are a failing check."""
+    """Each dp group's tp pieces, shards along one dimension, against the oracle's rows (the
+    case's: an SPMD batch that does not divide gives the groups rows unevenly); a wrong piece
+    departs; pieces that make no oracle shape are a failing check."""
+    case = TrainCase(mesh_shape=(2, 2))
     exact = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     groups = [[exact[:2, :3], exact[:2, 3:]], [exact[2:, :3], exact[2:, 3:]]]
     for pieces, ok in ((groups, True), ([groups[0], [exact[2:, :3], exact[2:, 3:] + 1]], False)):
         verdict = Verdict()
-        _direct(1, ("w2", pieces), ("w2", exact), ("w2", exact), verdict, torch.float32)
+        _direct(1, ("w2", pieces), ("w2", exact), ("w2", exact), verdict, case)
         assert [r.err.ok for r in verdict.rows] == [ok] and all(c.ok for c in verdict.checks)
     verdict = Verdict()
-    _direct(1, ("w2", [[exact[:2, :2]], [exact[2:, :2]]]), ("w2", exact), ("w2", exact), verdict, torch.float32)
+    _direct(1, ("w2", [[exact[:2, :2]], [exact[2:, :2]]]), ("w2", exact), ("w2", exact), verdict, case)
     assert not verdict.rows and [c.ok for c in verdict.checks] == [False]
+    short = dataclasses.replace(case, entry="dtensor", dp_mesh_dims="replicate", batch_short=1)
+    verdict = Verdict()
+    _direct(1, ("w2", [[exact[:2, :3], exact[:2, 3:]], [exact[2:3, :3], exact[2:3, 3:]]]), ("w2", exact[:3]),
+            ("w2", exact[:3]), verdict, short)
+    assert [r.err.ok for r in verdict.rows] == [True] and all(c.ok for c in verdict.checks)
 
 
 def test_tp_keeps_requires_grad_meets_sequence_parallel_thawing(tpdp_pool, tpdp_profile):

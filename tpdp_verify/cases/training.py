@@ -321,7 +321,17 @@ MISWIRINGS = {  # each, in a user's words
 }
 
 
-_LATE_STR = ("fsdp1_strategy", "dp_mesh_dims", "loss_reduction")  # TrainCase's string fields added late
+# TrainCase's fields added late, in its repr where set (not their falsy default)
+_LATE = ("fsdp1_strategy", "dp_mesh_dims", "loss_reduction", "batch_short")
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
+    """``index``'s coordinates in ``shape``, row-major."""
+    at = []
+    for size in reversed(shape):
+        index, place = divmod(index, size)
+        at.append(place)
+    return at[::-1]
 
 
 @dataclass(frozen=True)
@@ -350,10 +360,18 @@ class TrainCase:
     fsdp1_strategy: str = field(default="", repr=False)
     dp_mesh_dims: str = field(default="", repr=False)
     loss_reduction: str = field(default="", repr=False)  # one of LOSS_REDUCTIONS (in repr where set)
+    # The SPMD form alone: rows the global batch lacks of dp x local_batch, so that it does not
+    # divide over the dp dims and DTensor's Shard(0) on each leaves ranks short or empty (rows)
+    batch_short: int = field(default=0, repr=False)
     fsdp1: FSDP1Options = field(default_factory=FSDP1Options, repr=False)  # in repr where set
     # A user's model, plan, data and loss (tpdp_verify.plan.case.UserModel) in place of a zoo
     # model; its replay is the verify_plan call or the CLI command, not this repr.
     user: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.batch_short and not (self.dp_mesh_dims and 0 < self.batch_short < self.dp * self.local_batch):
+            raise ValueError(f"batch_short={self.batch_short} needs the SPMD form (dp_mesh_dims) and a row left of "
+                             f"the {self.dp} x {self.local_batch} rows")
 
     def _repr_pretty_(self, p, cycle) -> None:
         """How hypothesis prints a case: as repr does, without the user's model (hypothesis
@@ -363,7 +381,7 @@ class TrainCase:
         pprint_fields(self, p, cycle, self._shown())
 
     def _shown(self) -> list[str]:
-        return (_shown(self, ("loss",), None) + [n for n in _LATE_STR if getattr(self, n)]
+        return (_shown(self, ("loss",), None) + [n for n in _LATE if getattr(self, n)]
                 + (["fsdp1"] if self.fsdp1 != FSDP1Options() else []))
 
     def __repr__(self) -> str:
@@ -426,7 +444,20 @@ class TrainCase:
 
     @property
     def global_batch(self) -> int:
-        return self.dp * self.local_batch
+        return self.dp * self.local_batch - self.batch_short
+
+    def rows(self, dp_rank: int) -> slice:
+        """The rows of the global batch the dp rank ``dp_rank`` (row-major over the dp dims,
+        dp_replicate outer) takes: local_batch each, or, with batch_short, as DTensor's
+        Shard(0) on each dp dim in turn splits them, by torch.chunk's contract (blocks of the
+        rounded-up share, the last ones short or empty), the outer dim first."""
+        if not self.batch_short:
+            return slice(dp_rank * self.local_batch, (dp_rank + 1) * self.local_batch)
+        lo, hi = 0, self.global_batch
+        for size, place in zip(self.mesh_shape[:-1], _unravel(dp_rank, self.mesh_shape[:-1])):
+            block = -(-(hi - lo) // size)
+            lo, hi = min(lo + place * block, hi), min(lo + (place + 1) * block, hi)
+        return slice(lo, hi)
 
     @property
     def loss_shared(self) -> bool:

@@ -1391,7 +1391,10 @@ one: the step that brings the fault in.
 
 - **Caught by:** `nested_shards_read_back` (`full_tensor() gives t`, `redistribute to Replicate()
   gives t`, `a full state_dict gives t`, and a redistribute that replicates one of the nested
-  mesh dims), on a mesh whose flattened submesh holds the nested dims.""",
+  mesh dims), on a mesh whose flattened submesh holds the nested dims. And in training: the SPMD
+  form's batch over two dp dims that it does not divide (`TrainCase.batch_short`), the flattened
+  dp submesh built beside them, gives a wrong mean loss (`value:loss`; its gradients are right,
+  and so is the sum) in `entry_points_train_like_one_device`.""",
     consequence="""a batch, activation or parameter sharded over HSDP's or the SPMD form's two dp dims, with a
   dim that does not divide over both, can read back wrong on every rank: the logits a user gathers to
   log or evaluate, and the full state_dict a checkpoint saves, hold zeros and rows moved from where
@@ -1410,6 +1413,8 @@ one: the step that brings the fault in.
                "check:redistribute-replicating-mesh-dim-*-gives-its-blocks", "check:a-full-state_dict-gives-t"),
               ("nested_shards_read_back",),
               (("flattened", True), ("nested_unevenly", True))),
+        # the mean of a batch sharded so, which gathers it
+        Shows(("value:loss",), ("*train*",), (("flattened", True), ("nested_unevenly", True))),
     ),
     repro='f34_nested_uneven_gather_over_flattened_mesh.py',
 ),
@@ -1530,5 +1535,38 @@ it twice, and the second finds no mask: a bare `AssertionError` in `_reduce_valu
     source=('torch.distributed.tensor.placement_types:_MaskPartial._reduce_value',),
     shows=(),
     repro='f38_mask_partial_reduced_once.py',
+),
+Fault(
+    number=39,
+    name="an in-place step on a shard of fewer rows than ranks",
+    title="The optimizer's in-place step raises on a DTensor parameter sharded over more ranks than its dim has rows",
+    what="""A parameter sharded `Shard(d)` over a mesh dim of more ranks than dim `d` has rows (TP over 4
+ranks of a width of 2 or 3) runs its forward and backward, and its gradient has its placements.
+The optimizer's step then raises on every rank: SGD's `param.add_(grad)`, Adam's
+`exp_avg.lerp_(grad)` and the other updates are in-place pointwise ops, and
+`expand_to_full_mesh_op_strategy` drops every strategy whose inputs `is_tensor_shardable` calls
+unshardable (a dim smaller than the number of shards), the one that keeps `Shard(d)` among them;
+an in-place op cannot change its input's placement, so it raises "in-place operations that require
+placement changes are not supported". Where the dim has as many rows as ranks or more, torch.chunk
+leaving a rank none (5 rows over 4) included, it steps.
+
+- **Caught by:** the training properties at world size 8 (the release draw: TP over 4 ranks of
+  the zoo's widths of 2 and 3, through DTensor's own program, FSDP2 and FSDP1), and its
+  reproduction.""",
+    consequence="""a model whose TP'd width is below the tp degree (few heads or experts over many ranks, a
+  tiny vocabulary) trains forward and backward and cannot take one optimizer step: every rank
+  raises at `optimizer.step()`.""",
+    workaround="""keep every sharded width at least the tp degree (replicate the narrow parameters instead:
+  leave them out of the plan), or step the optimizer out of place.""",
+    fix="keep each TP'd width at least the tp degree, or leave the narrow parameters replicated",
+    entry_points=(),
+    apis=('torch.optim.Optimizer.step', 'DTensor'),
+    source=('torch.distributed.tensor._ops.utils:expand_to_full_mesh_op_strategy',
+            'torch.distributed.tensor._ops.utils:is_tensor_shardable'),
+    shows=(
+        Shows(("raised:RuntimeError at torch/optim/optimizer.py:_use_grad: *in-place operations that require "
+               "placement changes are not supported*",), ("*train*",), (("tp_narrow", True),)),
+    ),
+    repro='f39_inplace_step_on_fewer_rows_than_ranks.py',
 ),
 )

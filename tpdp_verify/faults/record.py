@@ -144,6 +144,7 @@ def _zoo(out: dict, drawn: dict) -> dict:
     widths = [out[f"size.{w}"] for w in SHARDED[model]]
     return {"tp_empty": any(empty_shard(n, tp) for n in widths),  # torch.chunk leaves a tp rank no row of a width
             "tp_uneven": any(n % tp for n in widths),  # a sharded width does not divide by tp
+            "tp_narrow": any(n < tp for n in widths),  # a sharded width has fewer rows than tp ranks
             "vocab_empty": "vocab" in SHARDED[model] and empty_shard(out["size.vocab"], tp),  # nor of the vocab
             "ignored_tp": bool(out.get("habits.ignored")) and model in IGNORED_TP}
 
@@ -173,7 +174,13 @@ def _chunked(out: dict, drawn: dict) -> dict:
 
 def _nested(out: dict, drawn: dict) -> dict:
     """A NestedCase's tensor: whether some dim is sharded over two or more mesh dims of more
-    than one rank and does not divide by their product (chunks of chunks, not one chunking)."""
+    than one rank and does not divide by their product (chunks of chunks, not one chunking).
+    A training case's batch in the SPMD form with no DP wrapper on a 3-D mesh, sharded over
+    both dp dims, whose flattened submesh the ranks build (tpdp_verify.ranks.tp_dp.on_the_whole_mesh):
+    the same."""
+    if out.get("entry") == "dtensor" and out.get("mesh_dims") == 3:
+        both = out["dp_replicate"] > 1 and out["dp_shard"] > 1
+        return {"flattened": True, "nested_unevenly": both and bool(out.get("batch_short", 0) % out["dp"])}
     if "flattened" not in out or not isinstance(out.get("placements"), tuple):
         return {}
     over: dict[int, list[int]] = {}

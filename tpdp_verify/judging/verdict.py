@@ -320,7 +320,7 @@ def judge_training(case: TrainCase, observed: Trace, rounded: Trace, shadow: Tra
     for i, (o, b, s) in enumerate(zip(observed.losses, rounded.losses, shadow.losses), 1):
         _values("loss", i, {"loss": torch.tensor(o)}, {"loss": torch.tensor(b)}, {"loss": torch.tensor(s)}, v, dtype)
     for i, (o, b, s) in enumerate(zip(observed.direct, rounded.direct, shadow.direct), 1):
-        _direct(i, o, b, s, v, dtype)
+        _direct(i, o, b, s, v, case)
     if len(observed.direct) != len(shadow.direct):
         v.checks.append(Check("calls a block directly as often as the oracle", False,
                               f"{len(observed.direct)} direct calls, the oracle {len(shadow.direct)}"))
@@ -387,7 +387,7 @@ def _adam_slack(case: TrainCase, rounded: Trace, shadow: Trace, dtype: torch.dty
     return out
 
 
-def _direct(step: int, observed: tuple, rounded: tuple, shadow: tuple, out: Verdict, dtype: torch.dtype) -> None:
+def _direct(step: int, observed: tuple, rounded: tuple, shadow: tuple, out: Verdict, case: TrainCase) -> None:
     """A block called directly between steps (Habits.between "submodule"): its output, put
     together from what the runs hold, against the oracle's."""
     name, exact = shadow
@@ -395,7 +395,7 @@ def _direct(step: int, observed: tuple, rounded: tuple, shadow: tuple, out: Verd
         out.checks.append(Check("calls the oracle's block directly", False,
                                 f"step {step}: called {observed[0]}, the oracle {name}"))
         return
-    got, base = _put_together(observed[1], exact.shape), _put_together(rounded[1], exact.shape)
+    got, base = _put_together(observed[1], exact, case), _put_together(rounded[1], exact, case)
     if got is None or base is None:
         held = observed[1] if got is None else rounded[1]
         out.checks.append(Check("a block's direct output puts back together", False,
@@ -403,18 +403,17 @@ def _direct(step: int, observed: tuple, rounded: tuple, shadow: tuple, out: Verd
                                 f"make no {tuple(exact.shape)}"))
         return
     key = f"{name} called directly"
-    _values("direct output", step, {key: got}, {key: base}, {key: exact}, out, dtype)
+    _values("direct output", step, {key: got}, {key: base}, {key: exact}, out, case.wire_dtype)
 
 
-def _put_together(held, shape: torch.Size) -> torch.Tensor | None:
+def _put_together(held, exact: torch.Tensor, case: TrainCase) -> torch.Tensor | None:
     """A direct call's output as a run holds it: one device's tensor, or each dp group's tp
-    pieces (whole, or shards along one dimension), the groups' rows stacked."""
+    pieces (whole, or shards along one dimension), the groups' rows (TrainCase.rows) stacked."""
     if isinstance(held, torch.Tensor):
         return held
-    if shape[0] % len(held):
+    if len(held) != case.dp:
         return None
-    rows = torch.Size([shape[0] // len(held), *shape[1:]])
-    parts = [_whole(pieces, rows) for pieces in held]
+    parts = [_whole(pieces, exact[case.rows(d)].shape) for d, pieces in enumerate(held)]
     return None if any(p is None for p in parts) else torch.cat(parts)
 
 
@@ -455,7 +454,7 @@ def localize(observed: list[Trace], case: TrainCase, rounded: Trace, shadow: Tra
         name, exact = shadow.activations[i]
         pieces = []
         for d in sorted(groups):
-            rows = slice(d * case.local_batch, (d + 1) * case.local_batch)
+            rows = case.rows(d)
             if any(i >= len(t.activations) or t.activations[i][0] != name for t in groups[d]):
                 return name  # the TP+DP run did not run the module the oracle ran here
             local = [t.activations[i][1] for t in groups[d]]

@@ -15,16 +15,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tpdp_verify import signature
-from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.cases.training import DTENSOR, TrainCase
 from tpdp_verify.ranks.loop import (Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train,
                                     user_named)
 from tpdp_verify.ranks.pieces import cut
 from tpdp_verify.ranks.rank import caught
 from tpdp_verify.ranks.reductions import DPReduction, Reduction, unobservable, watching, watching_dp
-
-def rows(case: TrainCase, dp_rank: int) -> slice:
-    return slice(dp_rank * case.local_batch, (dp_rank + 1) * case.local_batch)
-
 
 def dp_rank(case: TrainCase, mesh) -> int:
     """This rank's place among the dp ranks: its coordinate over the dp dimensions, row-major
@@ -141,6 +137,8 @@ def on_the_whole_mesh(case: TrainCase, model, mesh):
     from torch import nn
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    if case.entry == DTENSOR and len(case.dp_dims) == 2:  # with no DP wrapper, the flattened dp submesh a trainer
+        mesh[case.dp_dims]._flatten("dp")  # builds beside the dims (torchtitan's ParallelDims: its data loader's)
     twin = apply_tp(fixture(case), case, build(case), mesh)
     placed = {n: p.placements for n, p in twin.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)}
     made: dict[int, nn.Parameter] = {}
@@ -172,7 +170,11 @@ def spmd_io(case: TrainCase, mesh, spmd: bool = False) -> dict:
     rows = (Shard(0),) * len(case.dp_dims) + (Replicate(),)
 
     def inputs(local: dict) -> dict:
-        return {k: DTensor.from_local(v, mesh, rows, run_check=False) for k, v in local.items()}
+        # the global shape given: a batch that does not divide over the dp dims (batch_short)
+        # leaves the ranks' rows uneven, which from_local cannot infer
+        return {k: DTensor.from_local(v, mesh, rows, run_check=False, shape=(case.global_batch, *v.shape[1:]),
+                                      stride=torch.empty(case.global_batch, *v.shape[1:]).stride())
+                for k, v in local.items()}
 
     def rows_of(out):
         def local(t):
@@ -190,7 +192,7 @@ def run_of(case: TrainCase, wrapped, mesh, before: dict) -> Run:
     from ``before`` (the TP'd parameters) so that a transform that garbles its own record
     of them cannot fool the assembly."""
     specs = {n: p._spec for n, p in before.items() if isinstance(p, DTensor)} | (wrapped.layouts or {})
-    return Run(wrapped.model, wrapped.inner, rows(case, dp_rank(case, mesh)),
+    return Run(wrapped.model, wrapped.inner, case.rows(dp_rank(case, mesh)),
                part=parter(specs), no_sync=wrapped.no_sync, loss_parallel=fixture(case).loss_parallel,
                handles=dict(user_named(wrapped.inner.named_parameters(remove_duplicate=False))),
                before_wrap=before, whole_params=wrapped.whole_params,
