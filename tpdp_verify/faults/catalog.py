@@ -1556,8 +1556,8 @@ leaving a rank none (5 rows over 4) included, it steps.
     consequence="""a model whose TP'd width is below the tp degree (few heads or experts over many ranks, a
   tiny vocabulary) trains forward and backward and cannot take one optimizer step: every rank
   raises at `optimizer.step()`.""",
-    workaround="""keep every sharded width at least the tp degree (replicate the narrow parameters instead:
-  leave them out of the plan), or step the optimizer out of place.""",
+    workaround="""keep every sharded width at least the tp degree, or leave the narrow parameters out of the
+  plan (replicated over tp).""",
     fix="keep each TP'd width at least the tp degree, or leave the narrow parameters replicated",
     entry_points=(),
     apis=('torch.optim.Optimizer.step', 'DTensor'),

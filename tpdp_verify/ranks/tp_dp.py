@@ -173,7 +173,7 @@ def spmd_io(case: TrainCase, mesh, spmd: bool = False) -> dict:
         # the global shape given: a batch that does not divide over the dp dims (batch_short)
         # leaves the ranks' rows uneven, which from_local cannot infer
         return {k: DTensor.from_local(v, mesh, rows, run_check=False, shape=(case.global_batch, *v.shape[1:]),
-                                      stride=torch.empty(case.global_batch, *v.shape[1:]).stride())
+                                      stride=torch.empty(case.global_batch, *v.shape[1:], device="meta").stride())
                 for k, v in local.items()}
 
     def rows_of(out):
