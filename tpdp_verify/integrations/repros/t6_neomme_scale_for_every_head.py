@@ -105,7 +105,9 @@ def rank_main(rank, port, answers):
 
 def run_ranks() -> dict:
     """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
-    ctx = mp.get_context("spawn")
+    # forkserver: torch imported once, by the server the ranks are forked from (spawn imports it in each)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
     listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
     port = listener.getsockname()[1]
     # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
