@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tpdp_verify.cases.training import FSDP1_FLAT, FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, TrainCase
+from tpdp_verify.cases.training import FSDP1_FLAT, FSDP1_HYBRID, LOSS_REDUCTIONS, SPMD_FORMS, Loss, TrainCase
 from tpdp_verify.judging.verdict import assemble, judge_training
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
 from tpdp_verify.oracles.single_device import oracle
@@ -185,7 +185,6 @@ def test_dtensor_refuses_a_batch_that_does_not_divide_where_a_layer_flattens_it(
     where the batch does not divide over its mesh dim; the same batch of a sample fewer trains
     the MLP exactly, and the sequence model trains on an even batch."""
     from tpdp_verify.properties.losses import EDGE_SIZE
-    from tpdp_verify.cases.training import Loss
 
     pool = tpdp_pools.get(4)
     spmd = dict(entry="dtensor", dp_mesh_dims="replicate", mesh_shape=(2, 2), local_batch=2)
