@@ -13,7 +13,7 @@ judges DTensor itself, on the layouts the DP entry points build around it.
 Fused projections: a weight whose rows concatenate parts (gate_up, qkv), sharded per part
 over tp so that each rank holds a block of every part (``_StridedShard``), then FSDP2 over
 dp, checkpointed with DCP and loaded back onto its own layout, a plain tensor and another
-mesh.
+mesh; and a checkpoint saved from a contiguous layout loaded onto the per-part ones.
 """
 
 from __future__ import annotations
@@ -186,14 +186,13 @@ def _laid_out(full: torch.Tensor, case: FusedCase, mesh) -> nn.Module:
 
 def fused_checks(case: FusedCase, mesh, directory: str) -> list[Check]:
     """On every rank: the case's weight laid out, read back, saved with DCP and loaded onto
-    its own layout, into a plain tensor, and onto a mesh of every rank on tp. Only where
+    its own layout, into a plain tensor, and onto a mesh of every rank on tp; and a
+    checkpoint of it saved from a contiguous layout (``Shard(0)`` over every rank, as a
+    checkpoint written by another job's layout is) loaded onto the same two. Only where
     every rank's shard holds its blocks (as the round trip gathers only a layout every rank
     agrees is right): the collectives of a shard of another shape than its layout says
     hang under FSDP2."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-    from tpdp_verify.ranks.rank import device_mesh
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full, tp = case.full(), mesh["tp"]
     shard = fused_weight(full, case, tp).to_local()
@@ -203,10 +202,20 @@ def fused_checks(case: FusedCase, mesh, directory: str) -> list[Check]:
         return checks
     holder = _laid_out(full, case, mesh)
     checks += [same("full_tensor() gives w", holder.weight.full_tensor().detach(), full),
-                same("a full state_dict gives w", get_model_state_dict(
-                    holder, options=StateDictOptions(full_state_dict=True))["weight"].detach(), full)]
-    saved, failed = _ran("DCP saves it", lambda: dcp.save(get_model_state_dict(holder), checkpoint_id=directory))
-    checks += failed
+               same("a full state_dict gives w", get_model_state_dict(
+                   holder, options=StateDictOptions(full_state_dict=True))["weight"].detach(), full)]
+    return checks + _own_checkpoint(case, mesh, holder, f"{directory}/own") + _contiguous_checkpoint(
+        case, mesh, f"{directory}/contiguous")
+
+
+def _own_checkpoint(case: FusedCase, mesh, holder: nn.Module, directory: str) -> list[Check]:
+    """The laid-out weight saved with DCP: its chunks tile it, and it loads into a plain
+    tensor and onto the two layouts."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    full = case.full()
+    saved, checks = _ran("DCP saves it", lambda: dcp.save(get_model_state_dict(holder), checkpoint_id=directory))
     if not all_ranks(saved):
         return checks
     checks.append(_tiles(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata["weight"].chunks,
@@ -214,14 +223,42 @@ def fused_checks(case: FusedCase, mesh, directory: str) -> list[Check]:
     plain = {"weight": torch.zeros(case.shape, dtype=case.dtype)}
     _, failed = _ran("DCP loads it into a plain tensor", lambda: dcp.load(plain, checkpoint_id=directory))
     checks += failed or [same("DCP loads it into a plain tensor", plain["weight"], full)]
+    return checks + _loads("it", case, mesh, directory)
+
+
+def _contiguous_checkpoint(case: FusedCase, mesh, directory: str) -> list[Check]:
+    """w saved by DCP from a contiguous layout over every rank (DCP saves that one on every
+    release), loaded onto the case's per-part layouts: a load reshards by the chunks the
+    target's DTensors describe, whatever the save could."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import distribute_tensor
+
+    from tpdp_verify.ranks.rank import device_mesh
+
+    every = device_mesh((math.prod(case.mesh_shape),), ("every",))
+    state = {"weight": distribute_tensor(case.full(), every, [Shard(0)])}
+    saved, checks = _ran("DCP saves w sharded contiguously", lambda: dcp.save(state, checkpoint_id=directory))
+    return checks + (_loads("w saved contiguously", case, mesh, directory) if all_ranks(saved) else [])
+
+
+def _loads(what: str, case: FusedCase, mesh, directory: str) -> list[Check]:
+    """The checkpoint in ``directory`` loaded onto the case's own layout and onto the weight
+    sharded per part over a mesh of every rank (another mesh shape: resharding on load),
+    each read back whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from tpdp_verify.ranks.rank import device_mesh
+
+    full, checks = case.full(), []
     zeros = torch.zeros(case.shape, dtype=case.dtype)
     for name, fresh in (("its own layout", _laid_out(zeros, case, mesh)),
                         ("a mesh of every rank on tp", _holding(fused_weight(
                             zeros, case, device_mesh((math.prod(case.mesh_shape),), ("every",)))))):
         state = get_model_state_dict(fresh)
-        _, failed = _ran(f"DCP loads it onto {name}", lambda: (dcp.load(state, checkpoint_id=directory),
-                                                                    set_model_state_dict(fresh, state)))
-        checks += failed or [same(f"DCP loads it onto {name}", fresh.weight.full_tensor().detach(), full)]
+        _, failed = _ran(f"DCP loads {what} onto {name}", lambda: (dcp.load(state, checkpoint_id=directory),
+                                                                       set_model_state_dict(fresh, state)))
+        checks += failed or [same(f"DCP loads {what} onto {name}", fresh.weight.full_tensor().detach(), full)]
     return checks
 
 
@@ -238,7 +275,7 @@ def observe_fused(case: FusedCase, impl_name: str, directory: str) -> list[Check
 
 @tpdp_property(min_world_size=2, case=fused_cases)
 def fused_projections_read_back(pool, impl: str, case: FusedCase) -> None:
-    """A fused projection sharded per part over tp, with FSDP2 over dp or not, reads back as w and checkpoints with DCP: its shard, full_tensor, a full state_dict, DCP's chunks, loads onto its own layout, a plain tensor and another mesh."""
+    """A fused projection sharded per part over tp, with FSDP2 over dp or not, reads back as w and checkpoints with DCP: its shard, full_tensor, a full state_dict, DCP's chunks, loads onto its own layout, a plain tensor and another mesh, and loads of a contiguous checkpoint onto both."""
     directory = tempfile.mkdtemp(prefix="tpdp-checkpoint-")  # one the ranks share, empty
     try:
         Verdict.of_ranks(pool.run(observe_fused, case, impl, directory)).raise_if_failed()

@@ -1569,4 +1569,39 @@ leaving a rank none (5 rows over 4) included, it steps.
     ),
     repro='f39_inplace_step_on_fewer_rows_than_ranks.py',
 ),
+Fault(
+    number=40,
+    name="DCP loads a per-part shard at the wrong rows",
+    title="DCP loads a checkpoint onto a fused projection sharded per part over tp at the wrong rows, silently",
+    what="""A fused projection sharded per part over tp (`_StridedShard(0, split_factor=parts)`, as the
+public view route makes it: fault 35's layout) is the target of a DCP load, of a checkpoint
+saved from a layout DCP saves (contiguous `Shard(0)`, another job's or another mesh's). The
+load raises nothing and leaves wrong rows: it plans its reads from the chunks the target's
+DTensors describe, and `DTensor.__create_chunk_list__` (`_create_chunk_from_dtensor`, from
+`compute_local_shape_and_global_offset`) describes each rank's blocks as one contiguous run of
+rows at its first block's offset. Each rank reads the rows that follow its block of the first
+part where its block of the next part belongs. Fault 35's chunks, met on the load, where no
+validation refuses them. With FSDP2 over dp on top, and onto a mesh of another shape, alike;
+the same checkpoint loads right onto a contiguous layout.
+
+- **Caught by:** `fused_projections_read_back` (`DCP loads w saved contiguously onto its own
+  layout` and `onto a mesh of every rank on tp`: the values).""",
+    consequence="""a model with fused qkv or gate_up projections sharded per part over tp, loaded from a
+  DCP checkpoint (a pretrained model's, a resharded resume's), trains from wrong weights with no
+  error: rows of one part sit in another's place.""",
+    workaround="""load into a contiguous layout (or full tensors) and distribute per part from there
+  (`distribute_tensor` of the loaded weight viewed `(parts, rows, cols)` on `Shard(1)`), or keep the
+  parts as separate parameters, each sharded contiguously.""",
+    fix="load fused projections into full or contiguous tensors and shard per part after, or keep the parts separate parameters",
+    entry_points=('fully_shard',),
+    apis=('torch.distributed.checkpoint.load', 'DTensor.__create_chunk_list__'),
+    source=('torch.distributed.checkpoint.planner_helpers:_create_chunk_from_dtensor',
+            'torch.distributed.tensor._api:DTensor.__create_chunk_list__'),
+    shows=(
+        # a checkpoint DCP could save, loaded onto the per-part layouts, with FSDP2 over dp or not
+        Shows(("check:dcp-loads-w-saved-contiguously-onto-*",), ("fused_projections_read_back",),
+              (("parts", (2, 3)),)),
+    ),
+    repro='f40_dcp_loads_a_per_part_shard_at_the_wrong_rows.py',
+),
 )
