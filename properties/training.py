@@ -41,7 +41,7 @@ from tpdp_verify.cases.training import (
     TrainCase,
     ddp_keywords,
 )
-from tpdp_verify.fixtures.zoo import TRAINED, ZOO
+from tpdp_verify.fixtures.zoo import DRAWN, TRAINED, ZOO
 from tpdp_verify.oracles.verdicts import verdict_one_device, verdict_plain_ddp
 from tpdp_verify.properties.exclusions import (
     CPU_COMM_HOOKS,
@@ -289,7 +289,7 @@ def cover_spaces(properties) -> list[st.SearchStrategy[TrainCase]]:
 
 def find_cover_cases(properties, shipped: bool = False) -> dict[str, dict[str, str | None]]:
     """Every cover case of the properties, as FOUND holds them (``shipped``: read them from it)."""
-    labels = [(m, None) for m in ZOO] + [("mlp", e) for e in ENTRIES]
+    labels = [(m, None) for m in DRAWN] + [("mlp", e) for e in ENTRIES]
     return {repr(s): {_label(m, e): None if (c := _simplest(s, m, shipped, e)) is None else repr(c) for m, e in labels}
             for s in cover_spaces(properties)}
 
@@ -303,7 +303,7 @@ def every_entry(strategies: dict, entries: tuple[str, ...] = ENTRIES, model: str
 def every_model(strategies: dict) -> list[dict]:
     """The simplest case of every zoo model the case strategy reaches, run before any drawn
     one: 40 drawn cases can miss a model (the frozen layer, the unused branch) entirely."""
-    found = (_simplest(strategies["case"], m) for m in ZOO)
+    found = (_simplest(strategies["case"], m) for m in DRAWN)
     return [{"case": c} for c in found if c is not None]
 
 
@@ -343,7 +343,21 @@ def every_habit(strategies: dict) -> list[dict]:
                                    mesh_shape=(2, math.prod(c.mesh_shape) // 2), habits=Habits(buffers="sharded"))
                for c in through if c.entry == "fully_shard" and math.prod(c.mesh_shape) >= 4]
     covers += uneven_batches([c for c in through if c.entry == "fully_shard"])
+    covers += fused_through_every_entry(through)
     return every_clip(strategies) + [{"case": c} for c in covers]
+
+
+def fused_through_every_entry(found: list[TrainCase]) -> list[TrainCase]:
+    """The zoo's fused model (gate and up one Linear, sharded per part over tp: each rank a
+    block of each part, ``_StridedShard``) through each DP entry point, at the world sizes of
+    ``found``: on a mesh of 2 dp ranks where there are 4 ranks or more (FSDP2's dp shard over
+    a per-part tp shard, fault 36), else on (1, 2). hidden is two rows a tp rank a part, for
+    RowwiseParallel's local hand-off. A cover model (zoo.COVER_ONLY): drawn, it would move
+    every fixed draw of the training properties."""
+    worlds = sorted({math.prod(c.mesh_shape) for c in found})
+    meshes = [(2, w // 2) if w >= 4 else (1, w) for w in worlds]
+    return [TrainCase(model="fused", size=Size(dim=2, hidden=2 * mesh[-1]), mesh_shape=mesh, entry=e)
+            for mesh in meshes for e in ENTRIES]
 
 
 # Rows short of an even SPMD batch (TrainCase.batch_short) of 2 a dp rank over 2 x 2 dp ranks:

@@ -29,7 +29,9 @@ from tpdp_verify.cases.training import (
     NORM_TYPES,
     ddp_keywords,
 )
+from tpdp_verify.fixtures.zoo import COVER_ONLY
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
+from tpdp_verify.ranks.checkpoint import ROUTES
 from tpdp_verify.properties.checkpoint import (
     checkpoint_resumes,
     entry_points_checkpoint_resume,
@@ -111,6 +113,8 @@ def values(c) -> list[str]:
         out.extend([f"dp sums under {c.entry}'s policy, accumulate={min(c.accumulate, 2)}"])
     if c.entry == "fully_shard":
         out.extend([f"fsdp.reshard_after_forward={fsdp.reshard_after_forward}"])
+    if c.model in COVER_ONLY:  # a weight sharded per part over tp (the fused model), through each entry point
+        out.extend([f"{c.model} model through {c.entry}"])
     if c.dp_mesh_dims:  # the batch a DTensor sharded over the dp dims: its rows a dp rank (TrainCase.rows)
         rows = [len(range(c.global_batch)[c.rows(d)]) for d in range(c.dp)]
         out.extend([f"spmd batch {'even' if len(set(rows)) == 1 else 'uneven'} over {len(c.dp_dims)} dp dims"]
@@ -144,6 +148,7 @@ EXPECTED = (
     + [f"habits.buffers={v}" for v in BUFFERS]
     + [f"spmd batch {v} over {n} dp dims" for v in ("even", "uneven") for n in (1, 2)]
     + ["spmd batch with a dp rank of no rows"]
+    + [f"fused model through {e}" for e in ENTRIES]
 )
 
 
@@ -281,6 +286,7 @@ _LOCAL_NORM = Masked((1, 5, 8, 9), "DDP with TP clips the parameters it still re
 MASKED_ON_THE_RELEASE = {
     "entry=replicate": Masked((1, 3, 5, 8, 9), "replicate() with TP departs on every case, with the reference "
                               "transform too"),
+    "fused model through replicate": Masked((1, 3, 5, 8, 9), "as entry=replicate"),
     **{f"habits.clip_by={w} under ddp": _LOCAL_NORM for w in ("clip_grad_norm_", "get_total_norm")},
     **{f"habits.norm_type={p} by {w} under ddp": _LOCAL_NORM
        for p in ("2", "inf", "1") for w in ("clip_grad_norm_", "get_total_norm")},
@@ -442,6 +448,17 @@ def test_the_ci_profile_reaches_each_fused_layout(value):
     assert passing[value] + failing[value] > 0, f"no ci case {value}"
     if value.startswith("parts=1"):
         assert passing[value] > 0, f"no ci case {value} that torch 2.13.0 passes ({failing[value]} it fails)"
+
+
+def test_the_ci_profile_checkpoints_the_fused_model_through_fully_shard_by_every_route():
+    """The zoo's fused model's checkpoints (issue 49): its state_dict through DDP, FSDP1 and
+    fully_shard, and a resume through fully_shard by each route, the cover cases at ci's
+    world size of 4, each answered by the shipped memo (its faults 35 and 36)."""
+    met = {(prop.name, args["case"].entry, args.get("route")) for prop in (state_dict_like_unsharded, checkpoint_resumes)
+           for ws in CI.world_sizes for args in drawn_args(prop, ws) if args["case"].model in COVER_ONLY
+           if memo.key(prop.name, ws, args) in release_answers()}
+    assert met == {("state_dict_like_unsharded", e, None) for e in ("ddp_mesh", "fsdp1", "fully_shard")} | {
+        ("checkpoint_resumes", "fully_shard", r) for r in ROUTES}, met
 
 
 def main() -> None:

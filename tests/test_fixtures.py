@@ -27,7 +27,7 @@ def _run(fx: Fixture, size: Size, dtype: torch.dtype, seed: int = 0):
 
 def test_zoo_is_ordered_and_complete():
     assert NAMES == ["mlp", "nested", "llama", "llama_sp", "llama_lm", "tied", "lm_head", "frozen", "unused",
-                     "uneven", "buffers"]
+                     "uneven", "buffers", "fused"]
     assert all(fx.name == name and fx.note for name, fx in ZOO.items())
 
 

@@ -27,6 +27,8 @@ from tpdp_verify import signature
 from tpdp_verify.runner import profiles
 from tpdp_verify.runner.baseline import Baseline
 from tpdp_verify.runner.gate import judged_search
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.properties.training import uneven_batches
 
 import torch_mutants
 
@@ -130,6 +132,18 @@ def test_a_merged_gather_on_the_wrong_mesh_is_new_where_the_release_reads_nested
     torch 2.13 reads back exactly (the even ones; fault 34 is the uneven ones; issue 49)."""
     outcome = judged(nested_shards_read_back, tpdp_pools.get(4), torch_mutants.MergedGatherOnTheRootMesh)
     assert new(outcome, "check:full_tensor-gives-t"), outcome.findings
+
+
+@pytest.mark.timeout(300)
+def test_a_mean_over_uneven_shards_taken_as_linear_is_new_on_the_uneven_batches(tpdp_pools):
+    """DTensor's mean over an unevenly sharded dim taken as the mean of the ranks' means: NEW
+    on the SPMD batches of 3 rows over 2 dp ranks, which torch 2.13 trains exactly (issue 49);
+    the property's other cover cases are not run (uneven_batches' are the ones that meet it)."""
+    prop = dataclasses.replace(entry_points_train_like_one_device, cover=lambda strategies: [
+        {"case": c} for c in uneven_batches([TrainCase(mesh_shape=(1, 2), entry="fully_shard")])])
+    outcome = judged(prop, tpdp_pools.get(2), torch_mutants.UnevenMeanTakenAsLinear, drawn=1)
+    found = new(outcome, "value:loss")
+    assert found and all(f.drawn["case"].batch_short for f in found), outcome.findings
 
 
 @pytest.mark.timeout(300)

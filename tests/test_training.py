@@ -11,6 +11,7 @@ import torch
 from tpdp_verify import signature
 from tpdp_verify.cases.training import ENTRIES, Habits, TrainCase
 from tpdp_verify.fixtures import ZOO
+from tpdp_verify.fixtures.zoo import DRAWN
 from tpdp_verify.judging.divergence import Divergence
 from tpdp_verify.judging.verdict import Verdict, _direct
 from tpdp_verify.oracles.plain_ddp import observe_plain_ddp
@@ -207,10 +208,10 @@ def test_the_shipped_cover_cases_cover_every_case_space_of_the_suite_and_are_in_
     spaces = training.cover_spaces(ALL)
     assert {repr(s) for s in spaces} == set(doc["cases"])
     through = {f"mlp through {e}" for e in ENTRIES}
-    assert all(set(models) == set(ZOO) | through for models in doc["cases"].values())
+    assert all(set(models) == set(DRAWN) | through for models in doc["cases"].values())
     assert training.find_cover_cases(ALL, shipped=True) == doc["cases"]  # each one rebuilds from its repr
-    found = [c for models in doc["cases"].values() for m, c in models.items() if c and m in ZOO]
-    assert len(found) >= len(spaces) * len(ZOO) * 0.8  # most spaces reach most models
+    found = [c for models in doc["cases"].values() for m, c in models.items() if c and m in DRAWN]
+    assert len(found) >= len(spaces) * len(DRAWN) * 0.8  # most spaces reach most models
 
 
 @pytest.mark.timeout(300)

@@ -734,6 +734,27 @@ class BatchSumAveragedOverDP(TorchReference):
         return _caches_cleared(_entries_replaced(strategies, ops, averaged))
 
 
+class UnevenMeanTakenAsLinear(TorchReference):
+    """DTensor's reduction strategy (``common_reduction_strategy``,
+    torch/distributed/tensor/_ops/_math_ops.py) takes a mean over a dim sharded unevenly as
+    linear, the guard that gathers it first dropped (as an edit for speed would): the mean of
+    the ranks' means, each weighed alike. The loss averaged over an SPMD batch whose rows do
+    not divide over the dp ranks comes out off; an even batch's is right. Only the uneven
+    batches' cover cases meet it (properties/training.py uneven_batches), where torch 2.13 is
+    exact over one dp dim (issue 49)."""
+
+    caught_by = frozenset({"entry_points_train_like_one_device"})
+    departs_as = frozenset({"LossBeyondItsBound"})
+
+    @staticmethod
+    def patched():
+        from torch.distributed.tensor._ops import _math_ops
+
+        linear = _edited(_math_ops.common_reduction_strategy,
+                         "if not is_tensor_evenly_shardable_on_dim(local_shape, output_spec, dim):", "if False:")
+        return _caches_cleared(_replaced((_math_ops, "common_reduction_strategy", linear)))
+
+
 class AccumulatedGradReducedInParamDtype(TorchReference):
     """FSDP2 sums a gradient that TP holds as partial sums over tp (a SequenceParallel
     norm's) in the parameters' bfloat16 where the policy's ``reduce_dtype`` is float32, on

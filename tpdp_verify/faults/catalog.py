@@ -1432,7 +1432,8 @@ blocks apart. The chunks then overlap, and the save is refused: `Failed to valid
 key:... has overlapping chunks`. With FSDP2 over dp on top, its state_dict's DTensors are refused
 alike. The same weight sharded contiguously (`Shard(0)`) saves and loads.
 
-- **Caught by:** `fused_projections_read_back` (`DCP saves it`: the `CheckpointException`).""",
+- **Caught by:** `fused_projections_read_back` (`DCP saves it`: the `CheckpointException`), and
+  `checkpoint_resumes`' cover case of the zoo's fused model through `fully_shard` by DCP.""",
     consequence="""a model with fused qkv or gate_up projections sharded per part over tp cannot be
   checkpointed with DCP: the save raises on every rank.""",
     workaround="""gather the fused weight before saving (`full_tensor()`, or `get_model_state_dict(...,
@@ -1447,6 +1448,9 @@ alike. The same weight sharded contiguously (`Shard(0)`) saves and loads.
         # a per-part layout's save, with FSDP2 over dp or not
         Shows(("raised:CheckpointException at torch/distributed/checkpoint/utils.py:inner_func*",),
               ("fused_projections_read_back",), (("parts", (2, 3)),)),
+        # the zoo's fused model checkpointed by DCP through fully_shard
+        Shows(("raised:CheckpointException at torch/distributed/checkpoint/utils.py:inner_func*",),
+              ("*checkpoint*",), (("parts", (2, 3)), ("route", ("dcp",)))),
     ),
     repro='f35_dcp_saves_a_per_part_shard_as_one_chunk.py',
 ),
@@ -1460,11 +1464,14 @@ placements `(_StridedShard(0, split_factor=tp), _StridedShard(0, split_factor=pa
 `FSDPParam._init_sharding_spec_tp` strides its dp shard by the number of tp shards, as for a
 contiguous `Shard(0)` on tp, and the layout it declares is not the one the ranks hold.
 `full_tensor()`, and so every full state_dict and gathered checkpoint, hold the rows out of
-place, as does a gradient's `full_tensor()`; a forward, which runs on the gathered local shards,
-gave one device's output where it was tried (outside the property).
+place, as does a gradient's `full_tensor()`. Training runs on the gathered local shards: the zoo's
+fused model through `fully_shard` over 2 dp ranks gives one device's outputs at every step while
+its weights, gradients and optimizer state, read whole, depart.
 
 - **Caught by:** `fused_projections_read_back` (`full_tensor() gives w`, `a full state_dict gives w`)
-  with FSDP2 over dp.""",
+  with FSDP2 over dp; `entry_points_train_like_one_device`'s fused cover cases through
+  `fully_shard` (every value read whole of `w13`), and `state_dict_like_unsharded`'s (its
+  state_dict's values).""",
     consequence="""a model with fused projections sharded per part over tp and wrapped with FSDP2: every full
   state_dict, `full_tensor()` and export of its fused weights holds their rows out of place, with
   no error; a checkpoint loaded on one device is a different model.""",
@@ -1478,6 +1485,11 @@ gave one device's output where it was tried (outside the property).
     shows=(
         Shows(("check:full_tensor-gives-w", "check:a-full-state_dict-gives-w"),
               ("fused_projections_read_back",), (("parts", (2, 3)), ("fsdp", True))),
+        # the zoo's fused model trained through fully_shard: its weights and gradients read whole
+        Shows(("value:*",), ("*train*",), (("parts", (2, 3)), ("dp_sharded", True))),
+        # and its state_dict
+        Shows(("check:state_dict-*-holds-the-unsharded-model-s-values",), ("*state_dict*",),
+              (("parts", (2, 3)), ("dp_sharded", True))),
     ),
     repro='f36_fsdp2_over_a_per_part_tp_shard.py',
 ),

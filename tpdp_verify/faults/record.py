@@ -130,7 +130,9 @@ def _mesh(out: dict, drawn: dict) -> dict:
 SHARDED = {"mlp": ("hidden",), "frozen": ("hidden",), "unused": ("hidden",), "buffers": ("hidden",),
            "nested": ("hidden",), "llama": ("dim", "hidden"), "llama_sp": ("dim", "hidden"),
            "llama_lm": ("dim", "hidden", "vocab"), "tied": ("hidden", "vocab"), "uneven": ("hidden", "dim"),
-           "lm_head": ("hidden", "vocab")}
+           "lm_head": ("hidden", "vocab"), "fused": ("hidden",)}
+# the zoo models whose plan shards a weight per part over tp (a block of each part a rank)
+PARTS = {"fused": 2}
 # the zoo models whose module DP is told to ignore (ranks/loop.py, ignorable) holds DTensors
 IGNORED_TP = ("mlp", "llama_sp", "llama_lm", "tied", "unused", "uneven", "lm_head")
 
@@ -146,6 +148,7 @@ def _zoo(out: dict, drawn: dict) -> dict:
             "tp_uneven": any(n % tp for n in widths),  # a sharded width does not divide by tp
             "tp_narrow": any(n < tp for n in widths),  # a sharded width has fewer rows than tp ranks
             "vocab_empty": "vocab" in SHARDED[model] and empty_shard(out["size.vocab"], tp),  # nor of the vocab
+            "parts": PARTS.get(model, 1),  # the parts a weight is sharded by (1: contiguously)
             "ignored_tp": bool(out.get("habits.ignored")) and model in IGNORED_TP}
 
 
@@ -159,7 +162,9 @@ def _fsdp2(out: dict, drawn: dict) -> dict:
     if out.get("entry") not in ("fully_shard", "replicate_fsdp"):
         return {}
     mp = out.get("fsdp.mixed_precision")
-    return {"policy_casts": mp is not None and mp != out.get("dtype")}  # FSDP2's param_dtype is not the data's
+    shards = out.get("dp_shard", out.get("dp", 1)) if out["entry"] == "fully_shard" else 1
+    return {"policy_casts": mp is not None and mp != out.get("dtype"),  # FSDP2's param_dtype is not the data's
+            "dp_sharded": shards > 1}  # FSDP2 shards the parameters over more than one dp rank
 
 
 def _chunked(out: dict, drawn: dict) -> dict:
