@@ -99,13 +99,12 @@ def _covering(in_space, entries: tuple[str, ...], fused_entries: tuple[str, ...]
 
 
 def fused_over_dp(strategies: dict, entries: tuple[str, ...]) -> list[TrainCase]:
-    """The zoo's fused model (a weight sharded per part over tp) through ``entries`` on a
-    mesh of 2 dp ranks (world sizes of 4 and more: training's fused_through_every_entry),
+    """The zoo's fused model (a weight sharded per part over tp) through ``entries`` the
+    space reaches, on a mesh of 2 dp ranks (world sizes of 4 and more: training's fused_through_every_entry),
     whose checkpoints hold its per-part shards: under fully_shard its state_dict reads
     them out of place (fault 36) and DCP refuses to save them (fault 35). Not drawn (the
     zoo's COVER_ONLY)."""
-    found = [c["case"] for c in every_model(strategies)]
-    return [c for c in fused_through_every_entry(found) if c.entry in entries and c.dp > 1]
+    return [c for c in fused_through_every_entry(every_entry(strategies, entries)) if c.dp > 1]
 
 
 def _state_dicts(entries: tuple[str, ...]):

@@ -343,21 +343,24 @@ def every_habit(strategies: dict) -> list[dict]:
                                    mesh_shape=(2, math.prod(c.mesh_shape) // 2), habits=Habits(buffers="sharded"))
                for c in through if c.entry == "fully_shard" and math.prod(c.mesh_shape) >= 4]
     covers += uneven_batches([c for c in through if c.entry == "fully_shard"])
-    covers += fused_through_every_entry(through)
+    covers += fused_through_every_entry(every_entry(strategies))
     return every_clip(strategies) + [{"case": c} for c in covers]
 
 
 def fused_through_every_entry(found: list[TrainCase]) -> list[TrainCase]:
     """The zoo's fused model (gate and up one Linear, sharded per part over tp: each rank a
-    block of each part, ``_StridedShard``) through each DP entry point, at the world sizes of
-    ``found``: on a mesh of 2 dp ranks where there are 4 ranks or more (FSDP2's dp shard over
-    a per-part tp shard, fault 36), else on (1, 2). hidden is two rows a tp rank a part, for
-    RowwiseParallel's local hand-off. A cover model (zoo.COVER_ONLY): drawn, it would move
-    every fixed draw of the training properties."""
-    worlds = sorted({math.prod(c.mesh_shape) for c in found})
-    meshes = [(2, w // 2) if w >= 4 else (1, w) for w in worlds]
-    return [TrainCase(model="fused", size=Size(dim=2, hidden=2 * mesh[-1]), mesh_shape=mesh, entry=e)
-            for mesh in meshes for e in ENTRIES]
+    block of each part, ``_StridedShard``) through the entry point of each of ``found``, at
+    its world size: on a mesh of 2 dp ranks where there are 4 ranks or more (FSDP2's dp
+    shard over a per-part tp shard, fault 36), else on (1, 2). hidden is two rows a tp rank
+    a part, for RowwiseParallel's local hand-off. A cover model (zoo.COVER_ONLY): drawn, it
+    would move every fixed draw of the training properties."""
+    out = []
+    for c in found:
+        world = math.prod(c.mesh_shape)
+        mesh = (2, world // 2) if world >= 4 else (1, world)
+        case = TrainCase(model="fused", size=Size(dim=2, hidden=2 * mesh[-1]), mesh_shape=mesh, entry=c.entry)
+        out += [case] if case not in out else []
+    return out
 
 
 # Rows short of an even SPMD batch (TrainCase.batch_short) of 2 a dp rank over 2 x 2 dp ranks:
