@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from tpdp_verify.fixtures import ZOO, Size
 from tpdp_verify.ranks.rank import device_mesh
+from tpdp_verify.ranks.tp_dp import sharded_per_part
 
 
 def _full(t):
@@ -66,4 +67,4 @@ def tp_against_unsharded(name: str, size: Size, mesh_shape: tuple, seed: int, n:
     if hasattr(model, "head") and hasattr(model, "embed"):
         tied = model.head.weight is model.embed.weight and isinstance(model.embed.weight, DTensor)
     return {"tp": tp_run, "ref": ref_run, "sharded": sharded, "tied": tied,
-            "output_is_dtensor": output_is_dtensor}
+            "output_is_dtensor": output_is_dtensor, "per_part": sharded_per_part(dict(model.named_parameters()))}

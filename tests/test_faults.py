@@ -115,6 +115,23 @@ def test_a_failure_outside_every_faults_conditions_is_not_named():
     assert not nothing.explained and "no catalogued fault explains check:no-such-check" in nothing.line()
 
 
+def test_fsdp2_over_a_per_part_shard_is_named_only_where_a_weight_is_sharded_per_part_and_over_dp():
+    """Fault 36 names a value's departure through fully_shard where a weight is sharded per
+    part over tp (the zoo's fused model, or a user's model whose run says so: the plan
+    report's ``per_part``) and FSDP2 shards it over more than one dp rank; not elsewhere."""
+    part = "value:gradient"
+
+    def named(case, **drawn):
+        return [f.number for f in faults.explain("trains_like_one_device", {"case": case, **drawn}, (part,)).faults]
+
+    assert 36 in named(TrainCase(model="fused", entry="fully_shard", mesh_shape=(2, 2)))
+    assert 36 in named(TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2), user=object()), per_part=True)
+    assert 36 not in named(TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2), user=object()), per_part=False)
+    assert 36 not in named(TrainCase(model="fused", entry="fully_shard", mesh_shape=(1, 2)))  # one dp rank
+    assert 36 not in named(TrainCase(model="fused", entry="replicate_fsdp", mesh_shape=(2, 2)))  # no dp shard
+    assert 36 not in named(TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2)))
+
+
 def test_a_runs_known_failures_are_tallied_by_fault():
     named = {"faults": [faults.find("15").summary()], "unexplained": []}
     record = [{"name": "p", "world_size": 2, "findings": [

@@ -48,7 +48,8 @@ def test_a_correct_plan_passes_every_check(pool):
     data = json.loads(report.to_json())
     assert data["ok"] and len(data["checks"]) == len(report.lines) and data["failures"] == []
     # what the PASS covers: the Rowwise layer's bias is the one gradient TP reduces
-    assert data["exercised"] == {"reduced by tp": ["down.bias"], "precision": [], "unobservable": []}
+    assert data["exercised"] == {"reduced by tp": ["down.bias"], "sharded per part": [], "precision": [],
+                                 "unobservable": []}
     assert "loss: not under loss_parallel" in str(report) and "mixed precision: none" in str(report)
 
 

@@ -232,7 +232,9 @@ class Report:
         found: dict = {}
         unexplained: list[str] = []
         for against, prop in (("one device", "trains_like_one_device"), ("plain DDP", "trains_like_plain_ddp")):
-            drawn = {"case": self.case, "ties": bool(self.one_device.tied)}  # a user's model's ties, found on one device
+            # a user's model's ties, found on one device, and the weights its TP shards per part
+            drawn = {"case": self.case, "ties": bool(self.one_device.tied),
+                     "per_part": bool(self.one_device.exercised.get("sharded per part"))}
             e = faults.explain(prop, drawn, [p for a, p in self._parts(known) if a == against])
             found |= {f.number: f for f in e.faults}
             unexplained += [p for p in e.unexplained if p not in unexplained]
@@ -267,9 +269,12 @@ class Report:
         reduced = seen.get("reduced by tp", [])
         tp = (f"{len(reduced)} ({_few(reduced)}): TP sums each rank's partial gradient, or each rank computes "
               "the whole one alike" if reduced else "none, so a PASS says nothing of TP's gradient reductions")
+        per_part = seen.get("sharded per part", [])
         return ["", "what this run exercised (a PASS covers these):", f"  loss: {loss}",
-                f"  trained parameters replicated over tp: {tp}",
-                f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"] \
+                f"  trained parameters replicated over tp: {tp}"] \
+            + ([f"  weights sharded per part over tp (fused projections): {len(per_part)} ({_few(per_part)})"]
+               if per_part else []) \
+            + [f"  mixed precision: {_few(seen.get('precision', [])) or 'none'}"] \
             + [f"  not observed: {said}" for said in seen.get("unobservable", [])]
 
     @property

@@ -83,6 +83,13 @@ def sharded_grad(fsdp_param):
     return grad if isinstance(grad, torch.Tensor) else None
 
 
+def split_factor(placement) -> int:
+    """How many blocks apart a shard placement lays each rank's rows: a ``_StridedShard``'s
+    ``split_factor`` (a weight sharded per part over tp, or FSDP2's dp shard over a tp
+    shard), 1 for a contiguous ``Shard`` or a placement that is no shard."""
+    return int(getattr(placement, "split_factor", 1) or 1)
+
+
 def shard_dim(fsdp_param) -> int | None:
     """The dim FSDP2 shards a parameter on over dp (None: not known on this torch)."""
     placement = getattr(fsdp_param, "fsdp_placement", None)

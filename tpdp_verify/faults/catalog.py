@@ -1450,7 +1450,7 @@ alike. The same weight sharded contiguously (`Shard(0)`) saves and loads.
               ("fused_projections_read_back",), (("parts", (2, 3)),)),
         # the zoo's fused model checkpointed by DCP through fully_shard
         Shows(("raised:CheckpointException at torch/distributed/checkpoint/utils.py:inner_func*",),
-              ("*checkpoint*",), (("parts", (2, 3)), ("route", ("dcp",)))),
+              ("*checkpoint*",), (("per_part", True), ("route", ("dcp",)))),
     ),
     repro='f35_dcp_saves_a_per_part_shard_as_one_chunk.py',
 ),
@@ -1486,10 +1486,10 @@ its weights, gradients and optimizer state, read whole, depart.
         Shows(("check:full_tensor-gives-w", "check:a-full-state_dict-gives-w"),
               ("fused_projections_read_back",), (("parts", (2, 3)), ("fsdp", True))),
         # the zoo's fused model trained through fully_shard: its weights and gradients read whole
-        Shows(("value:*",), ("*train*",), (("parts", (2, 3)), ("dp_sharded", True))),
+        Shows(("value:*",), ("*train*",), (("per_part", True), ("dp_sharded", True))),
         # and its state_dict
         Shows(("check:state_dict-*-holds-the-unsharded-model-s-values",), ("*state_dict*",),
-              (("parts", (2, 3)), ("dp_sharded", True))),
+              (("per_part", True), ("dp_sharded", True))),
     ),
     repro='f36_fsdp2_over_a_per_part_tp_shard.py',
 ),

@@ -132,7 +132,7 @@ SHARDED = {"mlp": ("hidden",), "frozen": ("hidden",), "unused": ("hidden",), "bu
            "llama_lm": ("dim", "hidden", "vocab"), "tied": ("hidden", "vocab"), "uneven": ("hidden", "dim"),
            "lm_head": ("hidden", "vocab"), "fused": ("hidden",)}
 # the zoo models whose plan shards a weight per part over tp (a block of each part a rank)
-PARTS = {"fused": 2}
+PER_PART = ("fused",)
 # the zoo models whose module DP is told to ignore (ranks/loop.py, ignorable) holds DTensors
 IGNORED_TP = ("mlp", "llama_sp", "llama_lm", "tied", "unused", "uneven", "lm_head")
 
@@ -148,7 +148,7 @@ def _zoo(out: dict, drawn: dict) -> dict:
             "tp_uneven": any(n % tp for n in widths),  # a sharded width does not divide by tp
             "tp_narrow": any(n < tp for n in widths),  # a sharded width has fewer rows than tp ranks
             "vocab_empty": "vocab" in SHARDED[model] and empty_shard(out["size.vocab"], tp),  # nor of the vocab
-            "parts": PARTS.get(model, 1),  # the parts a weight is sharded by (1: contiguously)
+            "per_part": model in PER_PART,  # a weight sharded per part over tp (a user's: the plan report says)
             "ignored_tp": bool(out.get("habits.ignored")) and model in IGNORED_TP}
 
 

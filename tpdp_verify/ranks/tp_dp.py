@@ -258,9 +258,23 @@ def observe(case: TrainCase, impl_name: str, capture: bool = False, tp: bool = T
         with watching(reduced), over_dp:
             trace = train(case, run, lambda: early or make_optimizer(case, run.model.parameters()), capture)
     trace.reductions, trace.dp_reductions = reduced, reduced_over_dp
-    trace.exercised |= {"reduced by tp": reduced_by_tp(before), "precision": precision(wrapped.model),
-                        "unobservable": unobservable(case)}
+    trace.exercised |= {"reduced by tp": reduced_by_tp(before), "sharded per part": sharded_per_part(before),
+                        "precision": precision(wrapped.model), "unobservable": unobservable(case)}
     return trace
+
+
+def sharded_per_part(before: dict) -> list[str]:
+    """The parameters TP shards per part (a fused projection: each tp rank a block of each
+    of the rows' parts, ``_StridedShard``), where FSDP2's dp shard departs (fault 36)."""
+    from tpdp_verify.torch_internals import split_factor
+
+    out = []
+    for name, p in before.items():
+        dims = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        if "tp" in dims:
+            i = dims.index("tp")
+            out += [name] if split_factor(p.placements[i]) > 1 and p.device_mesh.size(i) > 1 else []
+    return out
 
 
 def reduced_by_tp(before: dict) -> list[str]:
