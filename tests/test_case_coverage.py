@@ -455,8 +455,9 @@ def test_the_ci_profile_checkpoints_the_fused_model_through_fully_shard_by_every
     fully_shard, and a resume through fully_shard by each route, the cover cases at ci's
     world size of 4, each answered by the shipped memo (its faults 35 and 36)."""
     met = {(prop.name, args["case"].entry, args.get("route"))
-           for prop in (state_dict_like_unsharded, checkpoint_resumes) for ws in CI.world_sizes for args in drawn_args(prop, ws) if args["case"].model in COVER_ONLY
-           if memo.key(prop.name, ws, args) in release_answers()}
+           for prop in (state_dict_like_unsharded, checkpoint_resumes) for ws in CI.world_sizes
+           for args in drawn_args(prop, ws)
+           if args["case"].model in COVER_ONLY and memo.key(prop.name, ws, args) in release_answers()}
     assert met == {("state_dict_like_unsharded", e, None) for e in ("ddp_mesh", "fsdp1", "fully_shard")} | {
         ("checkpoint_resumes", "fully_shard", r) for r in ROUTES}, met
 

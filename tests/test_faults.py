@@ -125,8 +125,8 @@ def test_fsdp2_over_a_per_part_shard_is_named_only_where_a_weight_is_sharded_per
         return [f.number for f in faults.explain("trains_like_one_device", {"case": case, **drawn}, (part,)).faults]
 
     assert 36 in named(TrainCase(model="fused", entry="fully_shard", mesh_shape=(2, 2)))
-    assert 36 in named(TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2), user=object()), per_part=True)
-    assert 36 not in named(TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2), user=object()), per_part=False)
+    users = TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2), user=object())
+    assert 36 in named(users, per_part=True) and 36 not in named(users, per_part=False)
     assert 36 not in named(TrainCase(model="fused", entry="fully_shard", mesh_shape=(1, 2)))  # one dp rank
     assert 36 not in named(TrainCase(model="fused", entry="replicate_fsdp", mesh_shape=(2, 2)))  # no dp shard
     assert 36 not in named(TrainCase(model="mlp", entry="fully_shard", mesh_shape=(2, 2)))

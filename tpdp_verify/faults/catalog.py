@@ -1604,7 +1604,8 @@ the same checkpoint loads right onto a contiguous layout.
     workaround="""load into a contiguous layout (or full tensors) and distribute per part from there
   (`distribute_tensor` of the loaded weight viewed `(parts, rows, cols)` on `Shard(1)`), or keep the
   parts as separate parameters, each sharded contiguously.""",
-    fix="load fused projections into full or contiguous tensors and shard per part after, or keep the parts separate parameters",
+    fix=("load fused projections into full or contiguous tensors and shard per part after, or keep the parts "
+         "separate parameters"),
     entry_points=('fully_shard',),
     apis=('torch.distributed.checkpoint.load', 'DTensor.__create_chunk_list__'),
     source=('torch.distributed.checkpoint.planner_helpers:_create_chunk_from_dtensor',
