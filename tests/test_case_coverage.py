@@ -31,7 +31,6 @@ from tpdp_verify.cases.training import (
 )
 from tpdp_verify.fixtures.zoo import COVER_ONLY
 from tpdp_verify.properties.exclusions import CPU_COMM_HOOKS
-from tpdp_verify.ranks.checkpoint import ROUTES
 from tpdp_verify.properties.checkpoint import (
     checkpoint_resumes,
     entry_points_checkpoint_resume,
@@ -47,6 +46,7 @@ from tpdp_verify.properties.training import (
     trains_like_plain_ddp,
 )
 from tpdp_verify.properties.wiring import miswiring_refused_or_exact
+from tpdp_verify.ranks.checkpoint import ROUTES
 from tpdp_verify import faults
 from tpdp_verify.runner import memo
 from tpdp_verify.runner.profiles import PROFILES

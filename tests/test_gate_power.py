@@ -24,11 +24,11 @@ from tpdp_verify.properties import (checkpoint_resumes, chunk_tensor_metadata, e
                                     miswiring_refused_or_exact, nested_shards_read_back, trains_like_one_device,
                                     trains_like_plain_ddp)
 from tpdp_verify import signature
+from tpdp_verify.cases.training import TrainCase
+from tpdp_verify.properties.training import uneven_batches
 from tpdp_verify.runner import profiles
 from tpdp_verify.runner.baseline import Baseline
 from tpdp_verify.runner.gate import judged_search
-from tpdp_verify.cases.training import TrainCase
-from tpdp_verify.properties.training import uneven_batches
 
 import torch_mutants
 
