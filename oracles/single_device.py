@@ -53,7 +53,37 @@ def float64_kernels(model) -> list[str]:
         model.set_experts_implementation("eager")
         said.append(f"the MoE experts ran eagerly (experts_implementation 'eager' for {experts!r}, which "
                     "has no float64 kernel)")
+    kept = _kept_in_float32(model)
+    if kept:
+        said.append(f"the modules the model keeps in float32 at any dtype (_keep_in_fp32_modules_strict: "
+                    f"{', '.join(kept)}; its code casts their input to float32) stayed float32")
     return said
+
+
+def _kept_in_float32(model) -> list[str]:
+    """A transformers model's modules declared float32 at any dtype
+    (``_keep_in_fp32_modules_strict``: an MoE router whose forward casts its input
+    ``.float()``) kept so: transformers' loader keeps them float32 under bfloat16 and float16,
+    not under float64, where that forward would meet a float64 weight. The globs that matched."""
+    globs = sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not globs:
+        return []
+    from transformers.core_model_loading import build_glob_alternation
+
+    pattern, groups, _ = build_glob_alternation(globs)
+    matched = set()
+    for prefix, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                found = pattern.search(f"{prefix}.{name}" if prefix else name)
+                if t is None or t.dtype != torch.float64 or not found:
+                    continue
+                if isinstance(t, torch.nn.Parameter):
+                    t.data = t.data.float()
+                else:
+                    store[name] = t.float()
+                matched.add(groups[found.lastgroup])
+    return [g for g in globs if g in matched]
 
 
 @functools.lru_cache(maxsize=32)  # shrinking replays a case many times

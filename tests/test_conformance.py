@@ -51,11 +51,18 @@ def test_a_composites_part_runs_as_its_own_class_on_the_config_its_composite_bui
     assert conformance.model_class("qwen2_5_omni_text") is Qwen2_5OmniThinkerTextModel
     assert conformance.tiny_config("t5gemma2_decoder").dropout_rate == 0.0
     assert conformance.tiny_config("qwen3_omni_moe_talker_text").hidden_size == 32  # its holder's, not the top's
-    assert conformance.model_class("t5_gemma_module") is None  # its encoder takes the composite's config
+    from transformers.models.t5gemma.modeling_t5gemma import T5GemmaEncoder
+
+    # no class's config_class: the one the module builds on it, T5GemmaEncoder(config.encoder)
+    assert conformance.model_class("t5_gemma_module") is T5GemmaEncoder
     # a part that names input_ids and refuses them gets embeddings; a causal LM its own labels
     assert conformance.input_fn("qwen3_omni_moe_talker_code_predictor", False) == \
         conformance.Inputs("qwen3_omni_moe_talker_code_predictor", "inputs_embeds")
     assert conformance.input_fn("llama", True) is conformance.tokens_and_labels
+    # a decoder alone gets its encoder's states; a text part its layers' conditioning (through **kwargs)
+    assert conformance.input_fn("t5gemma2_decoder", False) == conformance.Inputs("t5gemma2_decoder",
+                                                                                  "encoder_hidden_states")
+    assert conformance.input_fn("voxtral_realtime_text", False) == conformance.Inputs("voxtral_realtime_text", "t_cond")
 
 
 def test_a_config_the_derivation_leaves_large_is_refused_on_the_meta_device(monkeypatch):

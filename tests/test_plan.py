@@ -90,6 +90,15 @@ def test_outputs_of_any_pytree_shape_and_inputs_by_keyword(pool):
     assert "output shape: step 1: logits: shape (2, 4), oracle (2, 8)" in str(broken), str(broken)
 
 
+def test_a_constant_argument_reaches_every_rank_whole(pool):
+    """input_fn's non-tensor value (``scale``: a float) is the forward's on every dp rank as
+    given, not split: dropped or split, the forward would raise on its None or its rows."""
+    report = verify(model_fn=um.make_outputs, input_fn=um.keyword_vector_and_constant, pool=pool, steps=1,
+                    mesh=(2, 1), dp="ddp")
+    assert report.ok, str(report)
+    assert next(x for x in report.lines if x.check == "forward output").compared > 0
+
+
 def test_a_swapped_plan_is_reported_at_its_module(pool):
     report = verify(um.SWAPPED, pool=pool, steps=1)
     assert not report.ok
@@ -368,6 +377,8 @@ def test_heads_that_do_not_split_over_tp_are_refused_before_any_rank():
 @pytest.mark.parametrize("kwargs, expected", [
     ({"input_fn": um.three_rows}, "input_fn(2, generator) returned 'input' of shape [3, 8]: dim 0 must hold the 2 samples"),
     ({"input_fn": um.unseeded}, "input_fn returned different batches for the same generator"),
+    ({"input_fn": um.keyword_vector_and_list}, "input_fn returned dict: return the model's input tensor, or a dict "
+     "of tensors"),
     ({"loss_fn": um.unreduced_loss}, "loss_fn returned [2, 8] for a batch of 2: return one loss per sample "
      "(shape [2]), which tpdp-verify weights at random, or the batch's mean loss (a scalar)"),
     ({"model_fn": lambda: um.MLP()}, "model_fn cannot be sent to the ranks"),
@@ -376,7 +387,7 @@ def test_heads_that_do_not_split_over_tp_are_refused_before_any_rank():
     ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1, replicate_fsdp, own"),
     ({"dtype": torch.int32}, "dtype must be one of float32, bfloat16, float16"),
     ({"plan": [("up", None)]}, "plan is a list; give a dict"),
-], ids=["batch-rows", "unseeded-input", "unreduced-loss", "lambda", "batch-split", "mesh-size", "dp-name",
+], ids=["batch-rows", "unseeded-input", "list-input", "unreduced-loss", "lambda", "batch-split", "mesh-size", "dp-name",
         "dtype", "plan-type"])
 def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
     kwargs = {"pool": pool, "model_fn": um.make_mlp, "plan": um.PLAN, **kwargs}

@@ -65,6 +65,15 @@ def keyword_vectors(n, generator):
     return {"x": torch.randn(n, 8, generator=generator), "scale": torch.rand(n, 1, generator=generator) + 0.5}
 
 
+def keyword_vector_and_constant(n, generator):
+    """A forward's argument the same for every sample (a float), given whole to every rank."""
+    return {"x": torch.randn(n, 8, generator=generator), "scale": 2.0}
+
+
+def keyword_vector_and_list(n, generator):
+    return {"x": torch.randn(n, 8, generator=generator), "scale": [2.0]}
+
+
 def make_blocks():
     return Blocks()
 

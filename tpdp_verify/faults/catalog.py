@@ -1617,4 +1617,34 @@ the same checkpoint loads right onto a contiguous layout.
     ),
     repro='f40_dcp_loads_a_per_part_shard_at_the_wrong_rows.py',
 ),
+Fault(
+    number=41,
+    name="index_put's backward mixes in a plain tensor",
+    title="The backward of a masked assignment (`y[mask] = v`) on DTensors raises: it mixes in a plain tensor",
+    what="""A masked assignment `y[mask] = values` (an `index_put_`) on DTensors runs forward and records
+`IndexPutBackward0`. Autograd's generated node keeps only the shape and options of `values`
+(`TypeAndSize values_info`) and computes the gradient of `y` as
+`grad.index_put(indices, values_info.zeros(), accumulate)`: `values_info.zeros()` is a plain
+tensor whatever `values` was, so with a DTensor gradient DTensor's dispatch refuses the mix
+(`aten.index_put.default got mixed torch.Tensor and DTensor`), though every tensor of the program
+is a DTensor, whatever the placements. The same program on plain tensors steps, and so does the
+DTensor program written with `torch.where`.
+
+- **Caught by:** the transformers conformance table (docs/transformers-conformance.md): T5Gemma 2's
+  text encoder under transformers' own TP, which shards its scaled word embedding
+  (`embedding_rowwise`), whose forward writes its end-of-image embedding so (the backward raises
+  even where no token is that one); and its reproduction.""",
+    consequence="""a model that writes into a tensor by a mask (special-token embeddings, masked fills by
+  assignment) cannot train where that tensor is a DTensor: its backward raises.""",
+    workaround="""write it out of place: `torch.where(mask[..., None], values, y)` in place of `y[mask] = values`
+  (or reduce `y` to a plain tensor before the assignment).""",
+    fix="write by torch.where in place of a masked assignment on DTensors",
+    entry_points=(),
+    apis=('torch.Tensor.__setitem__', 'torch.Tensor.index_put_'),
+    # the refusal; the formula that hands it a plain tensor is C++ (derivatives.yaml, index_put: values_info.zeros())
+    source=('torch.distributed.tensor._dispatch:OpDispatcher._try_replicate_spec_for_scalar_tensor',),
+    shows=(),
+    repro='f41_index_put_backward_mixes_a_plain_tensor.py',
+    upstream=('https://github.com/pytorch/pytorch/issues/118461',),
+),
 )

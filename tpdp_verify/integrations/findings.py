@@ -78,12 +78,15 @@ FINDINGS = (
             "q_proj and k_proj colwise_gather_output (the norms see every head), or norms that all-reduce their "
             "statistics over tp",
             "t4_esmc_norm_over_every_head.py"),
-    Finding("T5", "transformers", ("qwen3_vl_moe_text", "qwen3_omni_moe_text"),
+    Finding("T5", "transformers", ("qwen3_vl_moe_text", "qwen3_omni_moe_text", "muse_glimmer_assistant"),
             ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
-            "Qwen3-VL-MoE's text model (and Qwen3-Omni-MoE's thinker text model) under TP trains its per-head query "
-            "and key norms on each rank's heads alone",
+            "Qwen3-VL-MoE's text model (and Qwen3-Omni-MoE's thinker text model, MuseGlimmer's draft model) under TP "
+            "trains its per-head query and key norms on each rank's heads alone",
             "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe:Qwen3VLMoeTextConfig.base_model_tp_plan; "
-            "transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe:Qwen3OmniMoeTextConfig.base_model_tp_plan",
+            "transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe:Qwen3OmniMoeTextConfig."
+            "base_model_tp_plan; "
+            "transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant:"
+            "MuseGlimmerAssistantConfig.base_model_tp_plan",
             'add "layers.*.self_attn.q_norm" and "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce" '
             "to the plan, as Qwen3's and Qwen3-MoE's have",
             "t5_qwen3_vl_moe_head_norms_unreduced.py"),
@@ -101,13 +104,24 @@ FINDINGS = (
             "initialize Qwen3OmniMoeTalkerTextExperts (gate_up_proj, down_proj) in _init_weights, as the "
             "thinker's sparse block's experts are",
             "t7_qwen3_omni_talker_experts_uninitialized.py", sharded=False),
+    Finding("T8", "transformers", ("glm5_next_text",), ("is invalid for input of size",),
+            "GLM-5-Next's text model cannot run under its own TP plan: its rowwise o_proj rule also takes the "
+            "linear-attention layers, whose q, k and v it leaves whole",
+            "transformers.models.glm5_next.configuration_glm5_next:Glm5NextTextConfig.base_model_tp_plan "
+            '("layers.*.self_attn.o_proj": "rowwise" matches Glm5NextTextLinearAttention.o_proj too)',
+            "keep the plan's attention rules off the linear-attention (KDA) blocks, e.g. a distinct name for their "
+            "o_proj, or shard those blocks by head as well (verified: the row passes with the KDA blocks' o_proj "
+            "left unsharded)",
+            "t8_glm5_next_rowwise_o_proj_on_linear_attention.py"),
 )
 
 
 # torch's own faults (tpdp_verify.faults' catalog) that the conformance table meets: the fault's
 # number -> where, and the marks of its departures there
 TORCH_FAULTS = {
-    38: Seen(("inkling_text", "muse_glimmer_text", "muse_glimmer", "muse_spark_text"), ("placement_types.py:_reduce_value",)),
+    38: Seen(("inkling_text", "muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"),
+             ("placement_types.py:_reduce_value",)),
+    41: Seen(("t5gemma2_text", "t5gemma2_decoder"), ("got mixed torch.Tensor and DTensor",)),
 }
 
 
@@ -115,7 +129,7 @@ TORCH_FAULTS = {
 # carries them; tpdp_verify.faults.spawn_block copies the first file's into the others):
 # marker -> the findings whose files carry it
 BLOCKS = {
-    "# --- boilerplate: one step under transformers' own TP, and whether it raised": ("T2", "T3", "T4", "T6"),
+    "# --- boilerplate: one step under transformers' own TP, and whether it raised": ("T2", "T3", "T4", "T6", "T8"),
     "# --- boilerplate: gradients under transformers' own TP against one device's": ("T1", "T5"),
 }
 

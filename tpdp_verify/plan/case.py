@@ -31,7 +31,7 @@ def mean_square(out, batch: dict) -> torch.Tensor:
     import torch.utils._pytree as pytree
     from torch.distributed.tensor import DTensor
 
-    rows = len(next(iter(batch.values())))
+    rows = len(next(v for v in batch.values() if isinstance(v, torch.Tensor)))
     out = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() and len(t) == rows), out)
     if isinstance(out, DTensor):  # whole but for the batch's rows where DP shards them (the SPMD form)
         from torch.distributed.tensor import Replicate
@@ -40,15 +40,23 @@ def mean_square(out, batch: dict) -> torch.Tensor:
     return out.reshape(len(out), -1).pow(2).mean(1)
 
 
+# What input_fn's dict may hold besides tensors: an argument the forward takes whole on every
+# rank, the same for every sample (DeepSeek-OCR 2's encoder: ``num_patches: int``), never split.
+CONSTANTS = (bool, int, float, str)
+
+
 def as_batch(value) -> dict:
     """input_fn's result as the training loop takes it: a dict with the model's "input", or
-    with the keyword arguments of its forward (and any targets)."""
+    with the keyword arguments of its forward (and any targets): tensors, each split over dp
+    along dim 0, and constants (CONSTANTS), given whole to every rank."""
     if isinstance(value, torch.Tensor):
         return {"input": value}
-    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+    if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()) \
+            and all(isinstance(v, (torch.Tensor, *CONSTANTS)) for v in value.values()):
         return value
     raise UsageError(f"input_fn returned {type(value).__name__}: return the model's input tensor, or a dict of "
-                     "tensors: the input under 'input' or the forward's keyword arguments by name, and any targets")
+                     "tensors: the input under 'input' or the forward's keyword arguments by name, and any targets "
+                     "(and any argument the forward takes whole on every rank as an int, float, bool or str)")
 
 
 @dataclass(frozen=True)

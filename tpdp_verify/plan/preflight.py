@@ -59,14 +59,15 @@ def check_inputs(case: TrainCase) -> TrainCase:
     batches = [as_batch(_call(f"input_fn({n}, generator)", user.input_fn, n, torch.Generator().manual_seed(case.seed)))
                for _ in range(2)]
     for key, value in batches[0].items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or len(value) != n:
-            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        if isinstance(value, torch.Tensor) and (value.dim() == 0 or len(value) != n):
+            shape = list(value.shape)
             raise UsageError(f"input_fn({n}, generator) returned {key!r} of shape {shape}: dim 0 must hold "
                              f"the {n} samples asked for, {case.local_batch} for each of the {case.dp} dp ranks")
-    if any(not torch.equal(batches[0][k], batches[1][k]) for k in batches[0]):
+    if any(not _same(batches[0][k], batches[1][k]) for k in batches[0]):
         raise UsageError("input_fn returned different batches for the same generator: draw every random "
                          "value from the generator it is given (torch.randn(..., generator=generator))")
-    batch = {k: v.to(case.torch_dtype) if v.is_floating_point() else v for k, v in batches[0].items()}
+    batch = {k: v.to(case.torch_dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in batches[0].items()}
     if "input" not in batch and not model_keys(model, batch):
         raise UsageError(f"input_fn's dict has no 'input' and none of its keys ({', '.join(batch)}) is an argument of "
                          f"{type(model).__name__}.forward: put the input under 'input', or name the forward's arguments")
@@ -83,6 +84,11 @@ def check_inputs(case: TrainCase) -> TrainCase:
                          f"(shape [{n}]), which tpdp-verify weights at random, or the batch's mean loss (a scalar)")
     return case
 
+
+
+def _same(a, b) -> bool:
+    """Two draws of one input_fn key alike: a tensor's values, a constant's."""
+    return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else type(a) is type(b) and a == b
 
 # Styles that shard a module's parameters, the module types they know, and which dim of
 # the weight each shards (Linear's weight is [out, in]; Embedding's [num, dim]).

@@ -111,8 +111,9 @@ class Run:
     rows_of: Callable[[object], object] = lambda out: out
 
     def take(self, batch: dict) -> dict:
-        """This run's rows of a global batch, as its model takes them: every forward's input."""
-        return self.inputs({k: v[self.rows] for k, v in batch.items()})
+        """This run's rows of a global batch, as its model takes them: every forward's input
+        (a constant of input_fn's, plan.case.CONSTANTS, whole)."""
+        return self.inputs({k: v[self.rows] if torch.is_tensor(v) else v for k, v in batch.items()})
 
 
 def fixture(case: TrainCase) -> Fixture:
@@ -188,7 +189,7 @@ def batches(case: TrainCase, dtype: torch.dtype | None = None) -> list[list[dict
         micro = []
         for _ in range(case.accumulate):
             b = fx.batch(gen, case.global_batch, case.size)
-            b = {k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()}
+            b = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
             b["weight"] = torch.rand(case.global_batch, generator=gen, dtype=torch.float64).to(dtype)
             if case.loss_reduction == "masked":  # 1 where a row counts, 0 where it is padding
                 kept = torch.rand(case.global_batch, generator=gen) < 0.7
@@ -229,11 +230,15 @@ def forward(run_model: nn.Module, inner: nn.Module, batch: dict):
 
 
 def model_keys(inner: nn.Module, batch: dict) -> list[str]:
-    """The batch's keys that ``inner.forward`` takes by name (the loop's own "weight" aside)."""
+    """The batch's keys that ``inner.forward`` takes by name (the loop's own "weight" aside);
+    where it takes **kwargs and hands them down, those its modules' forwards name too (Voxtral
+    Realtime's text model: its layers' ``t_cond``)."""
     import inspect
 
     params = inspect.signature(inner.forward).parameters
     named = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()) and not set(batch) <= {*named, *LOOP_KEYS}:
+        named += [k for m in inner.modules() for k in inspect.signature(m.forward).parameters]
     return [k for k in batch if k in named and k not in LOOP_KEYS]
 
 

@@ -174,7 +174,7 @@ def spmd_io(case: TrainCase, mesh, spmd: bool = False) -> dict:
         # leaves the ranks' rows uneven, which from_local cannot infer
         return {k: DTensor.from_local(v, mesh, rows, run_check=False, shape=(case.global_batch, *v.shape[1:]),
                                       stride=torch.empty(case.global_batch, *v.shape[1:], device="meta").stride())
-                for k, v in local.items()}
+                if torch.is_tensor(v) else v for k, v in local.items()}
 
     def rows_of(out):
         def local(t):

@@ -7,8 +7,9 @@ colwise, so a rank holds its heads only, and each rank's gradient of the norms' 
 partial sum over its heads. Qwen3's and Qwen3-MoE's plans give q_norm and k_norm
 "replicated_with_grad_allreduce", which sums them; Qwen3-VL-MoE's text plan has no rule for
 them, so every rank steps its own norm weights, the ranks' models part, and none matches the
-unsharded model. Qwen3-Omni-MoE's thinker text plan (Qwen3OmniMoeTextConfig) lacks the same two
-rules, and the conformance table shows its row departing alike. Sharded by transformers' own
+unsharded model. Qwen3-Omni-MoE's thinker text plan (Qwen3OmniMoeTextConfig) and MuseGlimmer's
+draft model's (MuseGlimmerAssistantConfig) lack the same two rules, and the conformance table
+shows their rows departing alike (each passes with the two rules added). Sharded by transformers' own
 code (DistributedConfig(tp_size=2), maybe_distribute_model), one backward of the mean square of
 the model's output, 2 ranks.
 Run: python t5_qwen3_vl_moe_head_norms_unreduced.py (needs torch and transformers)
