@@ -61,7 +61,7 @@ BY_COVER = {torch_mutants.IgnoredTargetsCountedInTheMean: 1, torch_mutants.Class
             torch_mutants.MaxNormSummedOverShards: 1, torch_mutants.DPReducedInParamDtype: 1,
             torch_mutants.SoftmaxBackwardKeepsTheShard: 1, torch_mutants.FusedBackwardScaledUnderMean: 1,
             torch_mutants.FusedBackwardScaledUnderSum: 1, torch_mutants.FusedBackwardScaledUnderNone: 1,
-            torch_mutants.BatchSumAveragedOverDP: 1}
+            torch_mutants.BatchSumAveragedOverDP: 1, torch_mutants.ParallelCrossEntropyGradScales: 1}
 
 
 @pytest.mark.timeout(600)

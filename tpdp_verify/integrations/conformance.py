@@ -49,7 +49,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_l
             depthwise_separable_out_channel=16, nemo_conv_channels=16, adapter_in_dim=32, adapter_out_dim=32,
             # a Qwen-style vision encoder's merge of m x m patches into a token: none, so that an image of
             # one patch is a row (Inputs' grid_thw kind: every input's dim 0 the batch that dp splits)
-            spatial_merge_size=1, merge_size=1,
+            spatial_merge_size=1, merge_size=1, adapter_merge_size=1,
             # dropout off: its draws differ by design between a sharded and an unsharded run
             attention_dropout=0.0, hidden_dropout=0.0, dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, residual_dropout=0.0,

@@ -113,6 +113,14 @@ FINDINGS = (
             "o_proj, or shard those blocks by head as well (verified: the row passes with the KDA blocks' o_proj "
             "left unsharded)",
             "t8_glm5_next_rowwise_o_proj_on_linear_attention.py"),
+    Finding("T9", "transformers", ("inkling2_text",), ("mlp.experts.act_fn",),
+            "Inkling2's text model under TP pairs the wrong halves of its experts' fused gate and up projection: "
+            "its plan splits gate_up_proj as one weight, its experts chunk it in two on each rank",
+            "transformers.models.inkling2.configuration_inkling2:Inkling2TextConfig.base_model_tp_plan "
+            '("layers.*.mlp.experts.gate_up_proj": "colwise"; Inkling2Experts._apply_gate chunks it locally)',
+            '"layers.*.mlp.experts.gate_up_proj": "packed_colwise", as the 50 other plans that name it have '
+            "(verified: the row passes with that override); InklingTextConfig's plan has the same rule",
+            "t9_inkling2_experts_gate_up_split_as_one.py"),
 )
 
 
@@ -130,7 +138,7 @@ TORCH_FAULTS = {
 # marker -> the findings whose files carry it
 BLOCKS = {
     "# --- boilerplate: one step under transformers' own TP, and whether it raised": ("T2", "T3", "T4", "T6", "T8"),
-    "# --- boilerplate: gradients under transformers' own TP against one device's": ("T1", "T5"),
+    "# --- boilerplate: gradients under transformers' own TP against one device's": ("T1", "T5", "T9"),
 }
 
 
