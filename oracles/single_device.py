@@ -8,6 +8,7 @@ exact (see tpdp_verify.judging.tolerance).
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple
 
 import torch
@@ -55,8 +56,8 @@ def float64_kernels(model) -> list[str]:
                     "has no float64 kernel)")
     kept = _kept_in_float32(model)
     if kept:
-        said.append(f"the modules the model keeps in float32 at any dtype (_keep_in_fp32_modules_strict: "
-                    f"{', '.join(kept)}; its code casts their input to float32) stayed float32")
+        said.append(f"what the model keeps in float32 at any dtype (_keep_in_fp32_modules_strict: {', '.join(kept)}) "
+                    "stayed float32, as transformers keeps it under bfloat16 and float16")
     return said
 
 
@@ -64,25 +65,25 @@ def _kept_in_float32(model) -> list[str]:
     """A transformers model's modules declared float32 at any dtype
     (``_keep_in_fp32_modules_strict``: an MoE router whose forward casts its input
     ``.float()``) kept so: transformers' loader keeps them float32 under bfloat16 and float16,
-    not under float64, where that forward would meet a float64 weight. The globs that matched."""
+    not under float64, where that forward would meet a float64 weight. The globs that matched,
+    matched as transformers' loader matches them (``*`` any run of characters, searched in the
+    parameter's or buffer's name; core_model_loading.build_glob_alternation), without
+    importing transformers: the core never imports an optional extra."""
     globs = sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    if not globs:
-        return []
-    from transformers.core_model_loading import build_glob_alternation
-
-    pattern, groups, _ = build_glob_alternation(globs)
+    patterns = {glob: re.compile(glob.replace("*", ".*")) for glob in globs}
     matched = set()
     for prefix, module in model.named_modules():
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
-                found = pattern.search(f"{prefix}.{name}" if prefix else name)
+                full = f"{prefix}.{name}" if prefix else name
+                found = [glob for glob, pattern in patterns.items() if pattern.search(full)]
                 if t is None or t.dtype != torch.float64 or not found:
                     continue
                 if isinstance(t, torch.nn.Parameter):
                     t.data = t.data.float()
                 else:
                     store[name] = t.float()
-                matched.add(groups[found.lastgroup])
+                matched.add(found[0])
     return [g for g in globs if g in matched]
 
 

@@ -20,10 +20,10 @@ ROWS = {"llama": "dense", "gemma3_text": "tied", "mixtral": "MoE", "minicpm3": "
 def test_a_dense_a_tied_an_moe_and_an_mla_architecture_pass_under_each_layout(tmp_path):
     out = tmp_path / "rows.json"
     table = tmp_path / "table.md"
-    assert conformance.main([*[f"-k{k}" for k in ROWS], "--layouts", "tp,tp_fsdp2,ep",
+    assert conformance.main([*[a for k in ROWS for a in ("-k", f"={k}")], "--layouts", "tp,tp_fsdp2,ep",
                              "--json", str(out), "--markdown", str(table)]) == 0
     rows = json.loads(out.read_text())
-    assert set(ROWS) <= set(rows)
+    assert set(ROWS) == set(rows)  # each exactly: -k =llama is not llama4
     for model_type in ROWS:
         layouts = rows[model_type]["layouts"]
         assert layouts["tp"]["result"] == "PASS" and layouts["tp_fsdp2"]["result"] == "PASS", (model_type, layouts)

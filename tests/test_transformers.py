@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -c constraints.txt -e .[hf]")
 
@@ -137,6 +138,30 @@ def test_moe_experts_run_as_they_come_and_eagerly_in_the_exact_run(pool4):
     # the experts EP splits count among what the plan sharded, said apart from TP's
     keys = {x.check: x for x in report.lines}["plan keys resolve"]
     assert " by EP and wrapped DP itself" in " ".join(keys.detail.split()) and keys.compared > 0
+
+
+def test_what_a_model_keeps_in_float32_stays_float32_in_the_exact_run():
+    """A router whose forward casts its input to float32 (Inkling2's) meets a float32 weight,
+    as transformers' loader keeps it under bfloat16: the float64 run keeps what the model
+    declares so (``_keep_in_fp32_modules_strict``, transformers' globs), nothing else, and says it."""
+    from tpdp_verify.oracles.single_device import float64_kernels
+
+    class Routed(torch.nn.Module):
+        _keep_in_fp32_modules_strict = ["mlp.gate.weight", "*.bias_kept"]
+
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.ModuleDict({"gate": torch.nn.Linear(4, 2, bias=False), "up": torch.nn.Linear(4, 4)})
+            self.mlp.register_buffer("bias_kept", torch.zeros(2))
+
+    model = Routed().to(torch.float64)
+    said = float64_kernels(model)
+    assert {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]} == {
+        "mlp.gate.weight": torch.float32, "mlp.up.weight": torch.float64, "mlp.up.bias": torch.float64,
+        "mlp.bias_kept": torch.float32}
+    assert said == ["what the model keeps in float32 at any dtype (_keep_in_fp32_modules_strict: *.bias_kept, "
+                    "mlp.gate.weight) stayed float32, as transformers keeps it under bfloat16 and float16"]
+    assert float64_kernels(torch.nn.Linear(2, 2).to(torch.float64)) == []
 
 
 def test_a_wrong_override_in_transformers_own_stack_is_named(pool):

@@ -4,7 +4,7 @@ stack (tpdp_verify.integrations.transformers) under each layout: TP alone, TP wi
 HSDP, and EP where the architecture has an expert plan.
 
     python -m tpdp_verify.integrations.conformance [--markdown docs/transformers-conformance.md]
-        [--json FILE] [-k SUBSTRING] [--layouts tp,tp_fsdp2,hsdp,ep]
+        [--json FILE] [-k SUBSTRING | -k =MODEL_TYPE] [--layouts tp,tp_fsdp2,hsdp,ep]
 
 Each cell is PASS, n/a, the finding (tpdp_verify.integrations.findings) that explains its
 departure, or where and how it departs; a cell that cannot run says why (a config that does
@@ -474,12 +474,13 @@ def own_loss(out, batch) -> torch.Tensor:
 def architectures(only: list[str] | None = None) -> dict[str, dict]:
     """model_type -> its config class, model class, its TP plan's styles and whether it
     has an expert plan, for every config class of the installed transformers with a
-    ``base_model_tp_plan`` (whose model_type holds one of ``only``, where given)."""
+    ``base_model_tp_plan`` (whose model_type holds one of ``only``, or is one written ``=name``,
+    where given)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     out = {}
     for model_type in sorted(CONFIG_MAPPING.keys()):
-        if only and not any(s in model_type for s in only):
+        if only and not any(model_type == s[1:] if s.startswith("=") else s in model_type for s in only):
             continue
         try:
             cls = CONFIG_MAPPING[model_type]
@@ -551,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     look at), 2 on bad arguments."""
     parser = argparse.ArgumentParser(prog="python -m tpdp_verify.integrations.conformance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-k", dest="only", action="append", help="architectures whose model_type holds this")
+    parser.add_argument("-k", dest="only", action="append",
+                        help="architectures whose model_type holds this (=NAME: is NAME)")
     parser.add_argument("--layouts", default=list(LAYOUTS), type=_layouts,
                         help=f"comma separated, of {', '.join(LAYOUTS)} (default: all)")
     parser.add_argument("--json", help="write every row here")
