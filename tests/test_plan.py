@@ -387,8 +387,8 @@ def test_heads_that_do_not_split_over_tp_are_refused_before_any_rank():
     ({"dp": "ddp2"}, "dp must be one of ddp, ddp_mesh, replicate, fsdp2, fsdp1, replicate_fsdp, own"),
     ({"dtype": torch.int32}, "dtype must be one of float32, bfloat16, float16"),
     ({"plan": [("up", None)]}, "plan is a list; give a dict"),
-], ids=["batch-rows", "unseeded-input", "list-input", "unreduced-loss", "lambda", "batch-split", "mesh-size", "dp-name",
-        "dtype", "plan-type"])
+], ids=["batch-rows", "unseeded-input", "list-input", "unreduced-loss", "lambda", "batch-split", "mesh-size",
+        "dp-name", "dtype", "plan-type"])
 def test_mistakes_seen_before_any_rank(pool, kwargs, expected):
     kwargs = {"pool": pool, "model_fn": um.make_mlp, "plan": um.PLAN, **kwargs}
     with pytest.raises(UsageError) as excinfo:

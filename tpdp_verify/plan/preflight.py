@@ -85,10 +85,10 @@ def check_inputs(case: TrainCase) -> TrainCase:
     return case
 
 
-
 def _same(a, b) -> bool:
     """Two draws of one input_fn key alike: a tensor's values, a constant's."""
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else type(a) is type(b) and a == b
+
 
 # Styles that shard a module's parameters, the module types they know, and which dim of
 # the weight each shards (Linear's weight is [out, in]; Embedding's [num, dim]).
