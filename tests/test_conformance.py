@@ -6,6 +6,7 @@ Needs the hf extra (`make test` installs it)."""
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="the hf extra: pip install -c constraints.txt -e .[hf]")
 
@@ -63,6 +64,11 @@ def test_a_composites_part_runs_as_its_own_class_on_the_config_its_composite_bui
     assert conformance.input_fn("t5gemma2_decoder", False) == conformance.Inputs("t5gemma2_decoder",
                                                                                   "encoder_hidden_states")
     assert conformance.input_fn("voxtral_realtime_text", False) == conformance.Inputs("voxtral_realtime_text", "t_cond")
+    # a Qwen-style vision encoder gets flattened patches with their grid; an encoder the count it requires, whole
+    assert conformance.input_fn("ernie4_5_vl_moe_vision", False) == conformance.Inputs("ernie4_5_vl_moe_vision",
+                                                                                        "grid_thw")
+    counted = conformance.input_fn("deepseek_ocr2_encoder", False)(2, torch.Generator().manual_seed(0))
+    assert counted["num_patches"] == conformance.SEQ // 2 and counted["inputs_embeds"].shape[0] == 2
 
 
 def test_a_config_the_derivation_leaves_large_is_refused_on_the_meta_device(monkeypatch):
