@@ -1631,7 +1631,7 @@ is a DTensor, whatever the placements. The same program on plain tensors steps, 
 DTensor program written with `torch.where`.
 
 - **Caught by:** the transformers conformance table (docs/transformers-conformance.md): T5Gemma 2's
-  text encoder under transformers' own TP, which shards its scaled word embedding
+  text encoder and decoder under transformers' own TP, which shards their scaled word embedding
   (`embedding_rowwise`), whose forward writes its end-of-image embedding so (the backward raises
   even where no token is that one); and its reproduction.""",
     consequence="""a model that writes into a tensor by a mask (special-token embeddings, masked fills by
