@@ -336,6 +336,54 @@ def test_ranks_fork_from_a_server_without_a_terminal_and_still_print_on_the_call
     assert parents == f"[{server}, {server}]"  # each rank forked from it
 
 
+FORKED_SERVER_SCRIPT = """
+import json
+import os
+import signal
+from multiprocessing import forkserver
+
+from tpdp_verify.ranks.pool import RankPool, warm_up
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a command's own handler
+    held = os.pipe()  # and a descriptor of its own
+    warm_up(here=True)
+    server = forkserver._forkserver._forkserver_pid
+    with RankPool(2) as pool:
+        parents = pool.run(os.getppid)
+    status = dict(line.split(":", 1) for line in open(f"/proc/{server}/status"))
+    print(json.dumps({"server": server, "parents": parents, "me": os.getpid(),
+                      "server_parent": int(status["PPid"]), "caught": int(status["SigCgt"], 16),
+                      "held": [os.readlink(f"/proc/self/fd/{fd}") for fd in held],
+                      "server_fds": [os.readlink(f"/proc/{server}/fd/{n}") for n in os.listdir(f"/proc/{server}/fd")]}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the fork server's fds from /proc")
+def test_a_command_forks_the_ranks_server_from_itself_with_none_of_its_descriptors_or_handlers(tmp_path):
+    """``warm_up(here=True)``, the CLI's first step: the server is the command forked once it
+    has imported torch (torch imported once a command, not twice), and holds what a spawned
+    server would: no descriptor of the command's but /dev/null as its stdio, no handler of
+    the command's (SIGTERM ends it); it ends with the command."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import wait_gone
+
+    (tmp_path / "script.py").write_text(FORKED_SERVER_SCRIPT)
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["server_parent"] == seen["me"] and seen["parents"] == [seen["server"]] * 2  # forked from it
+    assert not seen["caught"] & (1 << (signal.SIGTERM - 1))
+    assert not set(seen["held"]) & set(seen["server_fds"]), seen
+    assert seen["server_fds"][:3] == [os.devnull] * 3
+    # its own: the listener, the "alive" pipe, its loop's selector and signal pipe, stdin reopened
+    assert all(fd.startswith(("socket:", "pipe:", "anon_inode:", os.devnull)) for fd in seen["server_fds"][3:]), seen
+    assert wait_gone([seen["server"]]) == []
+
+
 @pytest.mark.timeout(60)
 def test_ranks_blocked_in_a_collective_for_a_rank_that_raised_are_not_waited_out():
     """Ranks that use no CPU after another raised wait in a collective for it: reported

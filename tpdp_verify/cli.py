@@ -394,7 +394,7 @@ def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
     from tpdp_verify import outputs
     from tpdp_verify.ranks import pool
 
-    pool.warm_up()  # the ranks' torch imports while this process imports its own
+    pool.warm_up(here=True)  # the ranks' fork server, forked once this process has imported torch
     from tpdp_verify.runner import baseline
     from tpdp_verify.runner.gate import InternalError, iter_gate, summary, verdict
     from tpdp_verify.status import verdict_line
@@ -580,8 +580,8 @@ def _plan(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())  # as `python -m` does; the ranks and their fork server inherit it
     started, start = outputs.now(), time.monotonic()
     try:
-        # the ranks' imports (torch, the user's modules) while this process imports its own
-        pool.warm_up(tuple(v.partition(":")[0] for v in (args.model, *given.values()) if v and ":" in v))
+        # the ranks' fork server, forked once this process has imported torch and the user's modules
+        pool.warm_up(tuple(v.partition(":")[0] for v in (args.model, *given.values()) if v and ":" in v), here=True)
         return _run_plan(args, files, given, started, start)
     except Interrupted as exc:  # no verdict: the record says so, every file is written
         outputs.write(files, outputs.plan_interrupted(_plan_case(args), exc.name, exc.exit_code, started,

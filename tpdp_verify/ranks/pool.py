@@ -77,27 +77,42 @@ def _context():
     return ctx
 
 
-def warm_up(modules: tuple[str, ...] = ()) -> None:
-    """Start the fork server now, so its imports overlap the caller's (the CLI's torch);
-    ``modules`` too (a user's model module, which may import transformers), if it is not
-    running yet. A module that fails to import there is imported by each rank as usual."""
-    if not _under_launcher():
-        ctx = _context()
-        if ctx.get_start_method() == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD + [m for m in modules if m not in PRELOAD])
-        _start_server(ctx)
+def warm_up(modules: tuple[str, ...] = (), here: bool = False) -> None:
+    """Start the fork server now, with ``modules`` too (a user's model module, which may
+    import transformers), if it is not running yet. A module that fails to import there is
+    imported by each rank as usual.
+
+    ``here``: this process is a command that has computed nothing yet (the CLI, first
+    thing): it imports what the server would and forks the server from itself, so a command
+    imports torch once, not twice (about 3 CPU-seconds of each ``gate`` and ``plan``; every
+    short one pays it whole, docs/performance.md). Otherwise (a library call, after whatever
+    the caller ran) the server is a fresh interpreter whose imports overlap the caller's."""
+    if _under_launcher():
+        return
+    ctx = _context()
+    if ctx.get_start_method() != "forkserver":
+        return
+    preload = PRELOAD + [m for m in modules if m not in PRELOAD]
+    ctx.set_forkserver_preload(preload)
+    _start_server(ctx, preload if here else None)
 
 
-def _start_server(ctx) -> None:
-    """The fork server, started with no terminal: it outlives this process by its imports'
-    seconds, and holding this process's stdout would keep a pipe reading it open that long.
-    Each rank gets this process's stdout and stderr itself (``rank.Stdio``)."""
+def _start_server(ctx, fork_after: list[str] | None = None) -> None:
+    """The fork server, started with no terminal: a spawned one outlives this process by
+    its imports' seconds, and holding this process's stdout would keep a pipe reading it
+    open that long. Each rank gets this process's stdout and stderr itself (``rank.Stdio``).
+    ``fork_after``: this process imports those modules and forks the server from itself
+    (``_fork_server``), where this Python's multiprocessing allows it."""
     from multiprocessing import forkserver
 
     if ctx.get_start_method() != "forkserver" or forkserver._forkserver._forkserver_pid is not None:
         return
     _short_socket_dir()
     with _this_sys_path():
+        if fork_after is not None and _forkable():
+            for name in fork_after:  # as the spawned server does: what fails is each rank's to import
+                with contextlib.suppress(Exception):
+                    __import__(name)
         try:
             saved = [os.dup(fd) for fd in (0, 1, 2)]
         except OSError:  # a process without all three (a daemon): the server gets what there is
@@ -107,12 +122,82 @@ def _start_server(ctx) -> None:
         try:
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
-            forkserver.ensure_running()
+            if not (fork_after is not None and _forkable() and _fork_server()):
+                forkserver.ensure_running()
         finally:
             for fd, old in zip((0, 1, 2), saved):
                 os.dup2(old, fd)
                 os.close(old)
             os.close(null)
+
+
+def _forkable() -> bool:
+    """Whether the fork server can be forked from this process: one Python thread (a fork
+    copies only the caller's), and this Python's forkserver as ``_fork_server`` knows it
+    (3.10 to 3.13 before its control socket took a key; a newer one spawns its server)."""
+    import inspect
+    import threading
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    return (hasattr(os, "fork") and threading.active_count() == 1
+            and list(inspect.signature(forkserver.main).parameters) == ["listener_fd", "alive_r", "preload",
+                                                                         "main_path", "sys_path"]
+            and all(hasattr(server, a) for a in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid"))
+            and not hasattr(server, "_forkserver_authkey"))
+
+
+def _fork_server() -> bool:
+    """multiprocessing's ``ForkServer.ensure_running``, with the server forked from this
+    process instead of spawned: the same listener, the same "alive" pipe (the server ends
+    when every holder of its write end has), the same loop (``forkserver.main``) with
+    nothing left to import. The server keeps only the descriptors a spawned one gets, and
+    the signal handlers and hooks of a fresh interpreter, not this command's."""
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # its descriptor goes to each rank, from this process
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the server: never returns
+        code = 1
+        try:
+            _as_a_fresh_interpreter(keep={listener.fileno(), alive_r})
+            forkserver.main(listener.fileno(), alive_r, [], None, None)
+        except SystemExit:  # every client gone: main's own way out
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
+def _as_a_fresh_interpreter(keep: set[int]) -> None:
+    """In the forked server: the descriptors, signal handlers and hooks a spawned server
+    starts with (its standard streams are /dev/null already), so neither it nor the ranks it
+    forks hold this command's pipes or run its handlers."""
+    import warnings
+
+    fds = [int(n) for n in os.listdir("/proc/self/fd")] if os.path.isdir("/proc/self/fd") else range(3, 1024)
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    sys.unraisablehook = sys.__unraisablehook__
+    warnings.showwarning = getattr(warnings, "_showwarning_orig", warnings.showwarning)
 
 
 def _server_died() -> str:
