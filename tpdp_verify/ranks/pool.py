@@ -134,7 +134,7 @@ def _start_server(ctx, fork_after: list[str] | None = None) -> None:
 def _forkable() -> bool:
     """Whether the fork server can be forked from this process: one Python thread (a fork
     copies only the caller's), and this Python's forkserver as ``_fork_server`` knows it
-    (3.10 to 3.13 before its control socket took a key; a newer one spawns its server)."""
+    (Python 3.11's; one that differs, say by a key on its control socket, is spawned)."""
     import inspect
     import threading
     from multiprocessing import forkserver
