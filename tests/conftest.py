@@ -34,6 +34,35 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
+_hypothesis_own: list = []  # hypothesis's reader of the local constants, as it came
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _draws_of_the_case_space_alone():
+    """Every hypothesis draw of the tests without the constants hypothesis reads from the
+    local modules imported so far, as the gate draws (hypothesis_internals): with them a
+    derandomized test's draw moved with whichever test files its xdist worker had run
+    before, and a test that passed in one order failed in another."""
+    from hypothesis.internal.conjecture import providers
+
+    from tpdp_verify import hypothesis_internals
+
+    _hypothesis_own.append(providers._get_local_constants)  # for with_local_constants
+    with hypothesis_internals.without_local_constants():
+        yield
+
+
+@pytest.fixture
+def with_local_constants(monkeypatch):
+    """hypothesis's own local constants back, for a test that shows what they do."""
+    from hypothesis.internal.conjecture import providers
+
+    monkeypatch.setattr(providers, "_get_local_constants", _hypothesis_own[0])
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _own_cache(tmp_path_factory):
     saved = os.environ.get("TPDP_VERIFY_CACHE")

@@ -68,7 +68,7 @@ def test_a_search_draws_the_same_whatever_local_code_holds(tmp_path, monkeypatch
     assert _seeds_drawn() == before
 
 
-def test_without_the_guard_the_same_search_moves(tmp_path, monkeypatch):
+def test_without_the_guard_the_same_search_moves(tmp_path, monkeypatch, with_local_constants):
     """The test above can fail: hypothesis alone draws other seeds once local code holds more constants."""
     monkeypatch.setattr(hypothesis_internals, "without_local_constants", contextlib.nullcontext)
     before = _seeds_drawn()
