@@ -25,11 +25,9 @@ def test_accepted_and_trained_otherwise(tpdp_pools, entry, wiring):
 
 
 def test_every_miswiring_is_drawn_only_where_it_means_something():
-    """The gate's draw (hypothesis's local constants left out, as the gate does: with them
-    the draw moved with whichever modules the test's process had imported)."""
+    """Drawn without hypothesis's local constants, as the gate draws (tests/conftest.py): with
+    them this draw moved with whichever test files its worker had run before."""
     from hypothesis import HealthCheck, given, settings
-
-    from tpdp_verify import hypothesis_internals
 
     seen = []
 
@@ -38,8 +36,7 @@ def test_every_miswiring_is_drawn_only_where_it_means_something():
     def collect(case):
         seen.append(case)
 
-    with hypothesis_internals.without_local_constants():  # a draw of the case space alone, as the gate's
-        collect()
+    collect()
     assert seen and all(min(c.mesh_shape) > 1 and c.wiring in wirings(c.entry) for c in seen)
     # the draw gives a process group in place of the mesh (to the entry points that take one,
     # above); the cover phase gives it to each of them, which 40 drawn cases can miss
