@@ -1,6 +1,7 @@
 """A few rows of the transformers conformance table (tpdp_verify.integrations.conformance,
 docs/transformers-conformance.md), run as the command runs them: a dense, a tied, an MoE
-(with EP) and an MLA architecture, each on its tiny config, through transformers' own stack.
+(with EP), one whose expert plan takes every rule of its TP plan (EP alone shards it) and an
+MLA architecture, each on its tiny config, through transformers' own stack.
 Needs the hf extra (`make test` installs it)."""
 
 import json
@@ -14,7 +15,8 @@ from helpers import script_run  # noqa: E402
 from tpdp_verify.integrations import conformance  # noqa: E402
 from tpdp_verify.integrations.findings import FINDINGS  # noqa: E402
 
-ROWS = {"llama": "dense", "gemma3_text": "tied", "mixtral": "MoE", "minicpm3": "MLA (mla_kv_a_proj)"}
+ROWS = {"llama": "dense", "gemma3_text": "tied", "mixtral": "MoE", "minicpm3": "MLA (mla_kv_a_proj)",
+        "dots3_note_vision_encoder": "EP alone: its TP plan names its experts only, which EP takes"}
 
 
 @pytest.mark.timeout(600)
@@ -28,7 +30,8 @@ def test_a_dense_a_tied_an_moe_and_an_mla_architecture_pass_under_each_layout(tm
     for model_type in ROWS:
         layouts = rows[model_type]["layouts"]
         assert layouts["tp"]["result"] == "PASS" and layouts["tp_fsdp2"]["result"] == "PASS", (model_type, layouts)
-    assert rows["mixtral"]["layouts"]["ep"]["result"] == "PASS" and rows["mixtral"]["experts"]
+    for moe in ("mixtral", "dots3_note_vision_encoder"):
+        assert rows[moe]["layouts"]["ep"]["result"] == "PASS" and rows[moe]["experts"], rows[moe]
     assert rows["llama"]["layouts"]["ep"] == {"result": "n/a", "detail": "no expert plan"}
     assert "mla_kv_a_proj" in rows["minicpm3"]["styles"]
     assert rows["mixtral"]["layouts"]["tp"]["substituted"]  # grouped_mm's eager twin in the exact run

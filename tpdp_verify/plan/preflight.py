@@ -254,7 +254,7 @@ def _parallelize_problems(parallelize_fn, model: nn.Module, mesh, own_dp: bool, 
     wiring = _wiring_problems(out, mesh, name, entry)
     if wiring:
         return wiring
-    if not tp_sharded(out, shapes):
+    if not tp_sharded(out, shapes) and not ep_sharded(out):  # EP alone shards (its rules drop TP's on experts)
         return [f"parallelize_fn {name} left every parameter a plain tensor: apply TP to the tp dimension of "
                 "the mesh it is given (parallelize_module(model, mesh['tp'], plan))"]
     return []
