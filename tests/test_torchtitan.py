@@ -2,9 +2,9 @@
 issue 48): its Llama 3 in small, sharded by the sharding its config declares
 (``Module.parallelize``), under its whole ``parallelize_llama`` (its FSDP2, whose divide
 factor 1.0 sums gradients, with its trainer's loss over the step's global count of valid
-tokens) and under tpdp-verify's DP entry points; its complex RoPE cache kept complex; DDP's
-refusal of its DTensor buffers named as torch's fault 33. Needs the torchtitan extra (`make
-test` installs it)."""
+tokens) and under tpdp-verify's DP entry points, and under its full_dtensor backend; its
+complex RoPE cache kept complex; DDP's refusal of its DTensor buffers named as torch's fault
+33. Needs the torchtitan extra (`make test` installs it)."""
 
 import subprocess
 import sys
@@ -33,9 +33,9 @@ def pool4(tpdp_pools):
 
 def own(model_fn=tt.llama3, **kw):
     """torchtitan's whole parallelize_llama, its loss each rank's share of the step's."""
-    kw = {"loss_fn": tt.loss, "loss_share": True, "steps": 2} | kw
-    return verify_plan(model_fn, parallelize_fn=tt.parallelize_llama, dp_alone_fn=tt.dp_alone, dp="own",
-                       input_fn=tt.tokens, **kw)
+    kw = {"loss_fn": tt.loss, "loss_share": True, "steps": 2, "parallelize_fn": tt.parallelize_llama,
+          "dp_alone_fn": tt.dp_alone} | kw
+    return verify_plan(model_fn, dp="own", input_fn=tt.tokens, **kw)
 
 
 def test_parallelize_llama_trains_like_one_device_and_like_its_fsdp_alone(pool4):
@@ -51,6 +51,21 @@ def test_parallelize_llama_trains_like_one_device_and_like_its_fsdp_alone(pool4)
     # the complex RoPE cache, as torchtitan holds it, compared on every step; complex on the ranks,
     # since a buffer of another kind of dtype fails the buffers check
     assert {r.name for r in report.one_device.rows if r.what == "buffer"} >= {ROPE}
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (2, 1, 2)], ids=["fsdp", "hsdp"])
+def test_the_full_dtensor_backend_trains_like_one_device_its_batch_split_on_its_own_mesh(pool4, mesh):
+    """torchtitan's full_dtensor backend: every parameter a DTensor on its dense mesh, its FSDP2
+    given that mesh (dp_mesh_dims); the batch is split on that mesh, another object than the
+    harness's (placed on the harness's, the loss raises: "different meshes"), on each dp dim of
+    more than one rank (a dp_shard of one replicates, as its parallelize_inputs places it, which
+    its embedding checks); its loss over the global batch is the step's whole."""
+    report = own(tt.llama3_full_dtensor, parallelize_fn=tt.parallelize_llama_full_dtensor,
+                 dp_alone_fn=tt.dp_alone_full_dtensor, loss_share=False, mesh=mesh, pool=pool4, steps=1)
+    assert report.status == "pass", str(report)
+    lines = {x.check: x for x in report.lines}
+    assert "fully_shard(dp_mesh_dims=" in lines["plan keys resolve"].detail
+    assert lines["forward output"].compared > 0 and lines["gradients vs plain DDP"].compared > 0
 
 
 def test_parallelize_llama_over_a_3d_mesh_trains_its_hsdp_like_one_device(pool4):

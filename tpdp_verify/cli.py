@@ -106,8 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                     "DistributedConfig(tp_size, fsdp_size, dp_replicate_size) from --mesh, applied by transformers' "
                     "own code (TP, then FSDP2 with the model's fsdp_plan); transformers-ep adds its expert "
                     "parallelism (ep_size = tp); torchtitan = its parallelize_llama (TP from the model's "
-                    "config, then its FSDP2; the loss each rank's share: --loss-share); the plain-DP run is "
-                    "the stack's DP without TP")
+                    "config, then its FSDP2; the loss each rank's share: --loss-share); torchtitan-full-dtensor = "
+                    "the same under its full_dtensor backend (every parameter a DTensor on its dense mesh, the "
+                    "batch split on it, the loss the step's whole); the plain-DP run is the stack's DP without TP")
     plan.add_argument("--dp-alone", metavar="MODULE:FN",
                       help="with --dp own: dp_alone_fn(model, mesh) -> model, your DP without TP on the same "
                       "mesh, for the plain-DP run (else that run is not made)")

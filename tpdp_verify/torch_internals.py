@@ -68,6 +68,12 @@ def spmd_dp_dims(group):
     return info.dp_mesh_dims if getattr(info, "is_spmd_mesh", False) else None
 
 
+def spmd_mesh(group):
+    """The whole SPMD mesh a group's parameters live on, where it was given one, else None."""
+    info = getattr(group, "mesh_info", None)
+    return getattr(info, "spmd_mesh", None) if getattr(info, "is_spmd_mesh", False) else None
+
+
 def param_name(fsdp_param) -> str:
     """A parameter's name from the root module, as FSDP2 keeps it ("" where it keeps none)."""
     return getattr(fsdp_param, "_param_fqn", "") or ""

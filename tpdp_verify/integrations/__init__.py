@@ -21,4 +21,7 @@ STACKS = {
                              "tpdp_verify.integrations.transformers:dp_alone"),
     "torchtitan": Stack("tpdp_verify.integrations.torchtitan:parallelize_llama",
                         "tpdp_verify.integrations.torchtitan:dp_alone", loss_share=True),
+    # its output a DTensor of the global batch: the loss is the step's whole, not a rank's share
+    "torchtitan-full-dtensor": Stack("tpdp_verify.integrations.torchtitan:parallelize_llama_full_dtensor",
+                                     "tpdp_verify.integrations.torchtitan:dp_alone_full_dtensor"),
 }

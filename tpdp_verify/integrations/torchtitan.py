@@ -10,7 +10,9 @@ The functions here call those on the ranks:
 - ``parallelize``: torchtitan's TP alone (``model.parallelize``), for a DP tpdp-verify wraps;
 - ``parallelize_llama``: the whole ``parallelize_llama``, TP then its FSDP2 (HSDP on a 3-D
   mesh), for ``dp="own"``;
-- ``dp_alone``: its FSDP2 step alone, on the same dp groups: the plain-DP comparison.
+- ``dp_alone``: its FSDP2 step alone, on the same dp groups: the plain-DP comparison;
+- ``llama3_full_dtensor``, ``parallelize_llama_full_dtensor``, ``dp_alone_full_dtensor``: the
+  same under its full_dtensor backend (every parameter a DTensor on its dense mesh).
 
 The one thing made here is torchtitan's ``ParallelDims`` for the harness's mesh, built by
 torchtitan's own ``build_mesh`` once per rank process and checked to hold the harness's tp
@@ -42,12 +44,14 @@ from tpdp_verify.errors import UsageError
 # the sizes of the small Llama 3: heads and kv heads divisible by tp 2, the hidden width by 4
 DIM, HEADS, KV_HEADS, HIDDEN, VOCAB, LAYERS, SEQUENCE = 16, 4, 2, 32, 32, 2, 8
 IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX
-# ParallelismConfig.spmd_backend driven here: DTensor on the model-parallel axes. Its other two
-# (full_dtensor, spmd_types) need the trainer's step around the model: inputs made DTensors on
-# its dense mesh (full_dtensor.parallelize_inputs) or annotated, under its SpmdContext; and
-# spmd_types' FSDP2 needs a fully_shard that takes spmd_types parameters (torch 2.15 has it,
-# 2.13 raises "all parameters must be DTensors on the full SPMD mesh").
-BACKEND = "partial_dtensor"
+# ParallelismConfig.spmd_backend: DTensor on the model-parallel axes, its FSDP2 on the dp
+# submesh (partial_dtensor), or every parameter a DTensor on its whole dense mesh, its FSDP2
+# given that mesh with dp_mesh_dims, the batch split on it as full_dtensor.parallelize_inputs
+# splits it (FULL: the harness reads that mesh from the FSDP2 units, entries.spmd_batch). The
+# third, spmd_types (its default), is not driven: its parameters are plain local shards under
+# its SpmdContext, and its FSDP2 needs a fully_shard that takes spmd_types parameters (torch
+# 2.15 has it; 2.13 raises "all parameters must be DTensors on the full SPMD mesh").
+BACKEND, FULL = "partial_dtensor", "full_dtensor"
 _dims: dict[tuple, object] = {}  # per rank process: each ParallelDims built once, as the trainer builds one
 
 
@@ -64,8 +68,9 @@ def require() -> None:
                          "extra with the pinned torch: pip install -c constraints.txt -e '.[torchtitan]'")
 
 
-def config(sequence_parallel: bool = True):
-    """torchtitan's Llama 3 config in small, its sharding declared as its trainer declares it."""
+def config(sequence_parallel: bool = True, backend: str = BACKEND):
+    """torchtitan's Llama 3 config in small, its sharding declared as its trainer declares it
+    for ``backend``."""
     from torchtitan.config import ParallelismConfig
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -82,19 +87,24 @@ def config(sequence_parallel: bool = True):
                                lm_head=Linear.Config(in_features=DIM, out_features=VOCAB))
 
     class Trainer:  # what update_from_config reads of a trainer's config
-        parallelism = ParallelismConfig(spmd_backend=BACKEND, enable_sequence_parallel=sequence_parallel)
+        parallelism = ParallelismConfig(spmd_backend=backend, enable_sequence_parallel=sequence_parallel)
 
     model.update_from_config(config=Trainer())
     return model
 
 
-def llama3() -> nn.Module:
+def llama3(backend: str = BACKEND) -> nn.Module:
     """torchtitan's Llama 3 in small (``config()``), its states initialised by torchtitan
     (``init_states``) from torch's global generator."""
     require()
-    model = config().build()
+    model = config(backend=backend).build()
     model.init_states()
     return model
+
+
+def llama3_full_dtensor() -> nn.Module:
+    """The small Llama 3 with its sharding declared for the full_dtensor backend."""
+    return llama3(FULL)
 
 
 def tokens(n: int, generator: torch.Generator) -> dict:
@@ -128,7 +138,7 @@ def mean_loss(output, batch: dict) -> torch.Tensor:
     return value
 
 
-def parallel_dims(mesh):
+def parallel_dims(mesh, backend: str = BACKEND):
     """torchtitan's ParallelDims for the harness's (dp, tp) or (dp_replicate, dp_shard, tp)
     mesh, its meshes built by its ``build_mesh`` (once per rank process) and checked to hold
     the harness's tp groups."""
@@ -138,17 +148,17 @@ def parallel_dims(mesh):
 
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     replicas, shards, tp_ranks = sizes.get("dp_replicate", 1), sizes.get("dp_shard", sizes.get("dp", 1)), sizes["tp"]
-    key = (replicas, shards, tp_ranks)
+    key = (replicas, shards, tp_ranks, backend)
     if key not in _dims:
         if titan.device_type == "cuda" and not torch.cuda.is_available():
             titan.device_type = "cpu"  # torchtitan's default where it finds no accelerator
         dims = titan.ParallelDims(dp_replicate=replicas, dp_shard=shards, cp=1, tp=tp_ranks, pp=1, ep=1,
-                                  world_size=dist.get_world_size(), spmd_backend=BACKEND)
+                                  world_size=dist.get_world_size(), spmd_backend=backend)
         dims.build_mesh()
         if dims.get_mesh("tp").mesh.tolist() != mesh["tp"].mesh.tolist():
             raise RuntimeError(f"torchtitan's tp mesh {dims.get_mesh('tp')} is not the harness's {mesh['tp']}")
         _dims[key] = dims
-    utils.set_spmd_backend(BACKEND)  # the trainer sets it before it builds the model
+    utils.set_spmd_backend(backend)  # the trainer sets it before it builds the model
     return _dims[key]
 
 
@@ -159,31 +169,46 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def parallelize_llama(model: nn.Module, mesh) -> nn.Module:
+def parallelize_llama(model: nn.Module, mesh, backend: str = BACKEND) -> nn.Module:
     """torchtitan's whole ``parallelize_llama``: TP, then its FSDP2 over the dp dims (HSDP on a
     3-D mesh), float32 throughout (``mixed_precision_param``), as its trainer calls it."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama as titans
 
-    dims = parallel_dims(mesh)
+    dims = parallel_dims(mesh, backend)
     model = titans(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
-                   parallelism=ParallelismConfig(tensor_parallel_degree=dims.tp, spmd_backend=BACKEND,
+                   parallelism=ParallelismConfig(tensor_parallel_degree=dims.tp, spmd_backend=backend,
                                                  data_parallel_shard_degree=dims.dp_shard,
                                                  data_parallel_replicate_degree=dims.dp_replicate),
                    compile_config=CompileConfig(), ac_config=None, dump_folder="")
     return _summed_on_gloo(model)
 
 
-def dp_alone(model: nn.Module, mesh) -> nn.Module:
+def parallelize_llama_full_dtensor(model: nn.Module, mesh) -> nn.Module:
+    """``parallelize_llama`` under the full_dtensor backend: every parameter a DTensor on
+    torchtitan's dense mesh (dp_replicate, dp_shard, tp), its FSDP2 given that mesh with
+    ``dp_mesh_dims``; the batch is split on that mesh, and the loss is the step's whole (no
+    ``loss_share``): the output is a DTensor of the global batch."""
+    return parallelize_llama(model, mesh, FULL)
+
+
+def dp_alone(model: nn.Module, mesh, backend: str = BACKEND) -> nn.Module:
     """torchtitan's FSDP2 step of ``parallelize_llama`` alone (``apply_fsdp_to_decoder`` with its
     divide factor), on the same dp groups, no TP: the plain-DP comparison."""
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-    dims = parallel_dims(mesh)
-    names = ["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else ["fsdp"]
+    dims = parallel_dims(mesh, backend)
+    shards = "fsdp" if backend == BACKEND else "dp_shard"  # full_dtensor's meshes name no fsdp submesh
+    names = ["dp_replicate", shards] if dims.dp_replicate_enabled else [shards]
     apply_fsdp_to_decoder(model, dims.get_mesh(names), param_dtype=torch.float32, reduce_dtype=torch.float32,
                           pp_enabled=False, cpu_offload=False, reshard_after_forward_policy="default")
     return _summed_on_gloo(model)
+
+
+def dp_alone_full_dtensor(model: nn.Module, mesh) -> nn.Module:
+    """``dp_alone`` on the full_dtensor backend's dp groups: its FSDP2 on the dp submesh of its
+    dense mesh (a model without TP holds no DTensor for dp_mesh_dims to take)."""
+    return dp_alone(model, mesh, FULL)
 
 
 def _summed_on_gloo(model: nn.Module) -> nn.Module:

@@ -26,9 +26,18 @@ class Wrapped(NamedTuple):
     # TP layouts of parameters the wrapper holds as plain local shards, where they could not
     # be recorded before it wrapped (a user's own DP: wrap_own)
     layouts: dict | None = None
-    # FSDP2 over the whole SPMD mesh (dp_mesh_dims), where a user's own DP set it (wrap_own):
-    # its batches are DTensors sharded on dp, as for TrainCase.dp_mesh_dims
-    spmd: bool = False
+    # FSDP2 over a whole SPMD mesh (dp_mesh_dims), where a user's own DP set it (wrap_own): that
+    # mesh and its dp dims' names (SpmdBatch), on which its batches are DTensors sharded on dp,
+    # as for TrainCase.dp_mesh_dims
+    spmd: SpmdBatch | None = None
+
+
+class SpmdBatch(NamedTuple):
+    """The mesh a model's batches are DTensors on, and the names of its dims they are split
+    over (the rest replicate them): a user's own FSDP2 over its whole SPMD mesh (torchtitan's
+    full_dtensor: its own storage mesh, another object than the harness's)."""
+    mesh: object
+    dp_dims: tuple[str, ...]
 
 
 def ignored(model: nn.Module, case: TrainCase) -> nn.Module | None:
@@ -222,7 +231,7 @@ def wrap_own(model, case: TrainCase, mesh, impl) -> Wrapped:
         raise RuntimeError("dp='own' but parallelize_fn applied no DP: wrap the model in DDP, replicate, "
                            "fully_shard or FSDP on mesh['dp'], or let tpdp-verify wrap it (dp='ddp', ...)")
     if entry in ("fully_shard", "replicate_fsdp"):  # FSDP2's parameters stay DTensors, their layouts in sight
-        return Wrapped(model, model, lambda: _fsdp2_no_sync(model), spmd=bool(spmd_form(model)))
+        return Wrapped(model, model, lambda: _fsdp2_no_sync(model), spmd=spmd_batch(model))
     if entry == "fsdp1":
         return _driven_fsdp1(model)
     wrapped = (Wrapped(model, model, lambda: _replicate_no_sync(model)) if entry == "replicate" else
@@ -258,6 +267,18 @@ def spmd_form(model: nn.Module) -> str:
         return ""
     named = [k for k in ("shard", "replicate") if getattr(dims[0], k) is not None]
     return "both" if len(named) == 2 else named[0]
+
+
+def spmd_batch(model: nn.Module) -> SpmdBatch | None:
+    """Where a user's own FSDP2 took a whole SPMD mesh: that mesh (the first unit's; its
+    parameters live there) and its dp dims, on which the batch is split as a trainer splits it
+    (torchtitan's full_dtensor.parallelize_inputs: Shard(0) on each dp dim)."""
+    groups = [g for state in torch_internals.fsdp2_states(model) for g in torch_internals.fsdp2_param_groups(state)
+              if torch_internals.spmd_dp_dims(g) is not None]
+    if not groups:
+        return None
+    dims = torch_internals.spmd_dp_dims(groups[0])
+    return SpmdBatch(torch_internals.spmd_mesh(groups[0]), (*dims.replicate_names, *dims.shard_names))
 
 
 def hidden_layouts(inner: nn.Module, case: TrainCase, mesh) -> dict:

@@ -157,17 +157,22 @@ def on_the_whole_mesh(case: TrainCase, model, mesh):
     return model
 
 
-def spmd_io(case: TrainCase, mesh, spmd: bool = False) -> dict:
+def spmd_io(case: TrainCase, mesh, spmd=None) -> dict:
     """Run's ``inputs`` and ``rows_of`` for the SPMD form: this rank's rows as DTensors sharded
     on every dp dimension (Replicate() on tp), and an output's batch-shaped DTensor leaves
-    back as this rank's rows (the others whole). ``spmd``: a user's own DP took the whole mesh
-    (Wrapped.spmd)."""
+    back as this rank's rows (the others whole). ``spmd``: a user's own DP took a whole mesh
+    (Wrapped.spmd, entries.SpmdBatch): the batch is split on that mesh's dp dims."""
     if not (case.dp_mesh_dims or spmd):
         return {}
     import torch.utils._pytree as pytree
     from torch.distributed.tensor import Replicate, Shard
 
-    rows = (Shard(0),) * len(case.dp_dims) + (Replicate(),)
+    if spmd is not None:  # a dp dim of one rank replicates, as a trainer places it (torchtitan's parallelize_inputs)
+        mesh = spmd.mesh
+        rows = tuple(Shard(0) if name in spmd.dp_dims and size > 1 else Replicate()
+                     for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+    else:
+        rows = (Shard(0),) * len(case.dp_dims) + (Replicate(),)
 
     def inputs(local: dict) -> dict:
         # the global shape given: a batch that does not divide over the dp dims (batch_short)
