@@ -276,6 +276,18 @@ def test_bad_arguments_are_usage_errors(kwargs, message):
         RankPool(**kwargs)
 
 
+def test_the_ranks_output_directory_is_made_where_missing_and_an_unwritable_one_said(tmp_path):
+    """Each rank opens its log there first thing: a missing directory killed every rank at
+    start-up with no word of why."""
+    out = tmp_path / "not" / "yet"
+    with RankPool(2, "gloo", timeout=TIMEOUT, output=str(out)) as pool:
+        pool.run(os.getpid)
+    assert {p.name for p in out.iterdir()} == {"world2-rank0.log", "world2-rank1.log"}
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match=r"^cannot make the ranks' output directory .*/file/ranks: Not a directory; "):
+        RankPool(2, "gloo", output=str(tmp_path / "file" / "ranks"))
+
+
 def test_a_rank_that_outgrows_its_baseline_is_replaced_before_the_next_call():
     with RankPool(2, "gloo", timeout=TIMEOUT, max_rss_growth=0.1) as pool:
         first = pool.pids

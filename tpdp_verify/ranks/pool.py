@@ -533,6 +533,17 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _output_directory(path: str) -> str:
+    """The ranks' output directory, made where it is missing (else each rank would die at
+    start-up opening its log there, and say nothing of why)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot make the ranks' output directory {path}: {exc.strerror}; "
+                         "give a directory you can write to") from None
+    return path
+
+
 class RankPool:
     """``world_size`` ranks on a real process group, kept for many ``run`` calls.
 
@@ -593,7 +604,7 @@ class RankPool:
         self.timeout, self.start_timeout, self.error_grace = timeout, start_timeout, error_grace
         self.max_rss_growth = max_rss_growth
         self.after_hang = after_hang
-        self.output = output
+        self.output = output and _output_directory(output)
         self.waiting = waiting  # told when a call has gone unanswered for WAITING_NOTICE seconds
         self.hung = False  # a run has hung (see after_hang)
         self.slowest = 0.0  # seconds of the slowest run that answered
