@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -483,6 +484,7 @@ def test_an_internal_error_exits_3_with_one_line_and_a_log(tmp_path, monkeypatch
 
     broken = tpdp_property(n=st.integers(0, 3))(_broken_judge)
     monkeypatch.setattr(properties, "ALL", (broken,))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the log it leaves, in the test's directory
     code = cli_mod.main(["gate", "--json", str(tmp_path / "gate.json"), "--junit", str(tmp_path / "junit.xml")])
     err = capsys.readouterr().err
     assert code == 3 and err.count("\n") == 1, err
