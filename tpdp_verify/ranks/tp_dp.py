@@ -167,8 +167,8 @@ def spmd_io(case: TrainCase, mesh, spmd=None) -> dict:
     import torch.utils._pytree as pytree
     from torch.distributed.tensor import Replicate, Shard
 
-    if spmd is not None:  # a dp dim of one rank replicates, as a trainer places it (torchtitan's parallelize_inputs)
-        mesh = spmd.mesh
+    if spmd is not None and spmd.mesh is not None:  # a dp dim of one rank replicates, as a trainer places it
+        mesh = spmd.mesh  # (torchtitan's parallelize_inputs); a torch that keeps no spmd_mesh: the harness's
         rows = tuple(Shard(0) if name in spmd.dp_dims and size > 1 else Replicate()
                      for name, size in zip(mesh.mesh_dim_names, mesh.shape))
     else:
