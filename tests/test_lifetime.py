@@ -17,34 +17,38 @@ from tpdp_verify.ranks.pool import RankPool
 if __name__ == "__main__":
     pool = RankPool(2, "gloo")
     print(" ".join(map(str, pool.pids)), flush=True)
+    print(pool._ranks.stack_dir, flush=True)
     if sys.argv[1] == "linger":
         time.sleep(600)
 """
 
 
-def _start(tmp_path, mode: str) -> tuple[subprocess.Popen, list[int]]:
+def _start(tmp_path, mode: str) -> tuple[subprocess.Popen, list[int], str]:
     script = tmp_path / "pool_script.py"
     script.write_text(POOL_SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2, "the script did not start its ranks"
-    return proc, pids
+    stacks = proc.stdout.readline().strip()  # where the ranks write their stacks when asked
+    assert os.path.isdir(stacks)
+    return proc, pids, stacks
 
 
 @pytest.mark.timeout(120)
 def test_ranks_end_when_the_interpreter_exits_without_close(tmp_path):
-    proc, pids = _start(tmp_path, "exit")
+    proc, pids, stacks = _start(tmp_path, "exit")
     assert proc.wait(60) == 0
-    assert wait_gone(pids) == []
+    assert wait_gone(pids) == [] and not os.path.exists(stacks)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_ranks_end_when_the_parent_is_killed(tmp_path, sig):
-    proc, pids = _start(tmp_path, "linger")
+    proc, pids, stacks = _start(tmp_path, "linger")
     proc.send_signal(sig)
     proc.wait(30)
     assert wait_gone(pids) == []  # the lifeline pipe closed with the parent
+    assert not os.path.exists(stacks)  # a killed parent leaves it to its orphaned ranks to remove
 
 
 USER_TEST = """

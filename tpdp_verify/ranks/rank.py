@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import signal
 import socket
 import threading
@@ -156,12 +157,15 @@ def reply(call: bytes) -> bytes:
         return pickle.dumps(Error(traceback.format_exc(), exc_bytes))
 
 
-def _exit_when_orphaned(lifeline) -> None:
+def _exit_when_orphaned(lifeline, stack_file: str) -> None:
     try:
         lifeline.recv()
     except (EOFError, OSError):
         pass
-    os._exit(70)  # the parent is gone: nobody will ever ask this rank anything again
+    # the parent is gone (killed, it could not clean up): nobody will ever ask this rank
+    # anything again, nor read the directory of the ranks' stacks it made
+    shutil.rmtree(os.path.dirname(stack_file), ignore_errors=True)
+    os._exit(70)
 
 
 def main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file, log_file=None,
@@ -190,7 +194,7 @@ def main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file,
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     # A failed shape propagation logs its traceback before raising; the raise is reported.
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
-    threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(lifeline, stack_file), daemon=True).start()
     try:
         # Spawned ranks are on one host: their listeners (gloo's pairs, NCCL's bootstrap) go on
         # the loopback interface whatever the environment names for multi-host runs.
