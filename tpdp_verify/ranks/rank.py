@@ -148,7 +148,9 @@ def reply(call: bytes) -> bytes:
     try:
         fn, args = pickle.loads(call)
         result = _portable(fn(*args))
-        return pickle.dumps(Ok(result, _CAUGHT, _rss()))
+        from tpdp_verify.ranks import wire
+
+        return wire.dumps(Ok(result, _CAUGHT, _rss()))
     except Exception as exc:  # report every failure; BaseException still ends the rank
         try:
             exc_bytes = pickle.dumps(exc)
