@@ -30,6 +30,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pool.py
 	$(BIN)/python bench/bench_ranks.py
+	$(BIN)/python bench/bench_wire.py
 	$(BIN)/python bench/bench_plan.py
 	$(BIN)/python bench/bench_training.py
 	$(BIN)/python bench/bench_tolerance.py
