@@ -65,6 +65,28 @@ def hoard(megabytes):
     return len(_HOARD)
 
 
+def raise_in_loss_parallel():
+    """Every rank raises inside torch's loss_parallel(), which (on 2.13) installs its loss
+    handlers in DTensor's dispatcher before it yields and removes them after, outside
+    ``finally``: the raise leaves them installed in the process."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        raise ValueError(f"rank {dist.get_rank()} raised inside loss_parallel")
+
+
+def loss_handlers_installed():
+    from tpdp_verify import torch_internals
+
+    return "aten._log_softmax.default" in torch_internals.process_state()["DTensor's custom op handlers"]
+
+
+def reduce_then_raise():
+    """Every rank joins an all_reduce, then raises: the group stays in step."""
+    dist.all_reduce(torch.ones(3))
+    raise ValueError(f"rank {dist.get_rank()} raised after the collective")
+
+
 def everyone_catches():
     caught(f"rank {dist.get_rank()} caught it")
     return dist.get_rank()

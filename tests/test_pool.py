@@ -59,16 +59,36 @@ def test_exception_names_the_rank_and_carries_its_traceback(pool):
     assert "Traceback" in message and "ValueError: boom on 2" in message
     assert set(info.value.tracebacks) == {2} and isinstance(info.value.exceptions[2], ValueError)
     assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
-    assert pool.spawns == spawns + 1  # a rank raised: the next run gets fresh ranks
+    assert pool.spawns == spawns  # raised before any collective, every group in step: the ranks stay
+
+
+def test_ranks_that_raise_with_their_groups_in_step_take_the_next_run(pool):
+    spawns, old = pool.spawns, pool.pids
+    with pytest.raises(RankFailed):
+        pool.run(rank_fns.reduce_then_raise)
+    assert [t.item() for _, _, t in pool.run(rank_fns.rank_and_sum, 1)] == [6.0] * 4
+    assert pool.spawns == spawns and pool.pids == old
+
+
+def test_a_raise_that_leaves_torchs_state_changed_gets_fresh_ranks(pool):
+    """torch 2.13's loss_parallel() leaves its handlers in DTensor's dispatcher when its body
+    raises; every later cross-entropy of DTensors in the process would run them."""
+    spawns = pool.spawns
+    with pytest.raises(RankFailed):
+        pool.run(rank_fns.raise_in_loss_parallel)
+    assert pool.run(rank_fns.loss_handlers_installed) == [False] * 4
+    assert pool.spawns == spawns + 1
 
 
 def test_a_collective_a_failed_run_left_behind_never_reaches_the_next_run(pool):
     """Rank 0 starts an all_reduce and raises, the others raise before joining it: rank 0's
     bytes wait in the group, and the next run's all_reduce would meet them (gloo aborts on
     the size mismatch)."""
+    spawns = pool.spawns
     with pytest.raises(RankFailed):
         pool.run(rank_fns.reduce_alone_then_raise)
     assert [t.item() for _, _, t in pool.run(rank_fns.rank_and_sum, 1)] == [6.0] * 4
+    assert pool.spawns == spawns + 1  # rank 0's count is one ahead: fresh ranks
 
 
 def test_exception_while_others_wait_in_a_collective_restarts_the_pool(pool):
@@ -96,11 +116,11 @@ def test_a_rank_that_catches_while_others_wait_restarts_the_pool_before_the_time
     assert pool.spawns == spawns + 1
 
 
-def test_ranks_that_all_catch_return_their_results_and_the_next_run_gets_fresh_ranks(pool):
+def test_ranks_that_all_catch_return_their_results_and_take_the_next_run_in_step(pool):
     spawns = pool.spawns
     assert pool.run(rank_fns.everyone_catches) == [0, 1, 2, 3]
     assert len(pool.run(rank_fns.rank_and_sum, 1)) == 4
-    assert pool.spawns == spawns + 1
+    assert pool.spawns == spawns
 
 
 @pytest.mark.timeout(60)

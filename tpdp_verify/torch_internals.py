@@ -131,3 +131,57 @@ def site(name: str) -> tuple[Any, str]:
         if owner is not None and hasattr(owner, last):
             return owner, last
     raise Unobservable(f"FSDP2's {name}", " or ".join(f"{m}.{a}" for m, a in SITES[name]))
+
+
+# --------------------------------------------------------------------------- what a call leaves
+
+
+def group_collectives() -> tuple:
+    """Each process group this rank belongs to, as (name, its ranks, the collectives this
+    rank has issued on it): where every member of every group has issued as many, no
+    collective waits half-matched in any group. Unobservable where a group keeps no count."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = _first(c10d, ("_world",), "the process groups of this rank")
+    groups = []
+    for pg, name in list(_first(world, ("pg_names",), "the process groups' names").items()):
+        count = _first(pg, ("_get_sequence_number_for_group",), "a process group's count of collectives")
+        groups.append((name, tuple(dist.get_process_group_ranks(pg)), int(count())))
+    return tuple(sorted(groups))
+
+
+def process_state() -> dict[str, Any]:
+    """What one call can leave set in a process for the calls after it: torch's global modes
+    and the tables DTensor and nn.Module consult on every op (a context manager that yields
+    outside ``try``/``finally``, as ``loss_parallel`` on 2.13, leaves its table changed when
+    its body raises)."""
+    import torch
+    import torch.nn.modules.module as module
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    return {
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "autocast": torch.is_autocast_enabled("cpu"),
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "DTensor's custom op handlers": frozenset(map(str, getattr(dispatcher, "_custom_op_handlers", {}))),
+        "DTensor's implicit replication": getattr(dispatcher, "_allow_implicit_replication", None),
+        "global module hooks": tuple(len(getattr(module, name)) for name in sorted(dir(module))
+                                     if name.startswith("_global_") and name.endswith("hooks")),
+    }
+
+
+def changed(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What differs between two ``process_state`` readings, in words ("" where nothing does)."""
+    def difference(old, new) -> str:
+        if isinstance(old, frozenset) and isinstance(new, frozenset):
+            return " ".join([*(f"+{x}" for x in sorted(new - old)), *(f"-{x}" for x in sorted(old - new))])
+        return f"{old!r} -> {new!r}"
+
+    return "; ".join(f"{key}: {difference(before.get(key), value)}" for key, value in after.items()
+                     if before.get(key) != value)

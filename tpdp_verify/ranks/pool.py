@@ -10,7 +10,9 @@ group's keys.
 
 The parent is the judge of liveness: a call that some ranks do not answer within its
 timeout, or a rank that dies, tears the ranks down (SIGKILL) and the next call spawns
-fresh ones.  Ranks cannot outlive the parent: each watches a lifeline pipe whose only
+fresh ones; so does a call that raised with a group out of step or left torch's
+process-wide state changed (``_keeps``), so that no call's outcome depends on the ones
+before it.  Ranks cannot outlive the parent: each watches a lifeline pipe whose only
 writer is the parent, and exits when it closes, however the parent ended.
 
 Started under torchrun (``RANK`` and ``WORLD_SIZE`` in the environment), the same API
@@ -372,7 +374,8 @@ def _shutdown(procs, conns, lifeline, graceful: bool, stack_dir: str = "") -> No
 
 
 class _Ranks:
-    """One generation of spawned ranks; a failure retires it and the pool makes another."""
+    """One generation of spawned ranks; a hang, a death, or a call that leaves them unfit for
+    the next (``_keeps``) retires it and the pool makes another."""
 
     def __init__(self, world_size: int, backend: str, start_timeout: float, pg_timeout: float,
                  output: str | None = None):
@@ -521,12 +524,39 @@ class _Ranks:
 
 
 def _raised(replies: dict[int, Reply]) -> bool:
-    """Whether the code a run called raised on some rank (or a rank caught what it raised).
-    Ranks that raise part-way through their collectives leave bytes sent and never read in
-    the group, and the next run's collective would read them: gloo aborts a rank on a size
-    it did not expect, and takes equal sizes for data. The next run gets fresh ranks, so
-    that no case's outcome depends on the cases before it."""
+    """Whether the code a run called raised on some rank (or a rank caught what it raised)."""
     return any(isinstance(r, Error) or (isinstance(r, Ok) and r.caught) for r in replies.values())
+
+
+def _in_step(replies: dict[int, Reply]) -> bool:
+    """Whether every member of every group has issued as many collectives as the others.
+    Ranks that raise part-way through their collectives can leave bytes sent and never
+    read in a group, and the next run's collective would read them (gloo aborts a rank on
+    a size it did not expect, and takes equal sizes for data); in step, none is left."""
+    counts: dict[str, dict[int, int]] = {}
+    members: dict[str, set[int]] = {}
+    for rank, reply in replies.items():
+        groups = reply.left.groups if getattr(reply, "left", None) else None
+        if groups is None:
+            return False
+        for name, ranks, issued in groups:
+            counts.setdefault(name, {})[rank] = issued
+            members[name] = set(ranks)
+    return all(set(by_rank) == members[name] and len(set(by_rank.values())) == 1
+               for name, by_rank in counts.items())
+
+
+def _keeps(replies: dict[int, Reply]) -> bool:
+    """Whether the ranks that answered ``replies`` may take the next call, so that no case's
+    outcome depends on the cases before it. Not when the call left torch's process-wide
+    state changed on some rank (a mode, a table DTensor reads on every op: loss_parallel
+    leaves its handlers installed when its body raises). Not when it raised on some rank
+    (or a rank caught what it raised) with a group out of step. Ranks that raised in step,
+    as torch's own checks raise on every rank alike, keep their warm caches: a fresh
+    generation's first call costs about three times a warm one's (docs/performance.md)."""
+    if any(getattr(reply, "left", None) is None or reply.left.changed for reply in replies.values()):
+        return False
+    return not _raised(replies) or _in_step(replies)
 
 
 def _under_launcher() -> bool:
@@ -710,7 +740,7 @@ class RankPool:
                 self._retire(graceful=False)
                 raise
             self.slowest = max(self.slowest, time.monotonic() - start)
-            if self._ranks.busy or _raised(replies):
+            if self._ranks.busy or not _keeps(replies):
                 self._retire(graceful=False)
             elif self.max_rss_growth:
                 self._ranks.note(replies, self.max_rss_growth)
@@ -738,9 +768,9 @@ class RankPool:
             errors = {r: Error(f"(caught and returned) {reply.caught}")
                       for r, reply in replies.items() if isinstance(reply, Ok) and reply.caught}
         exceptions = {}
-        for rank, (_, exc_bytes) in errors.items():
+        for rank, error in errors.items():
             try:
-                exceptions[rank] = pickle.loads(exc_bytes) if exc_bytes else None
+                exceptions[rank] = pickle.loads(error.exception) if error.exception else None
             except Exception:
                 exceptions[rank] = None
         first = min(errors)

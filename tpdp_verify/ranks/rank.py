@@ -27,15 +27,25 @@ from tpdp_verify.files import inductor_cache
 STOP = b"stop"  # the parent's last message to a rank
 
 
+class Left(NamedTuple):
+    """What a call left in its rank for the calls after it (pool.py decides by it whether
+    the next call may run on these ranks)."""
+
+    groups: tuple | None  # each group's (name, ranks, collectives issued); None: not observable
+    changed: str = ""  # torch's process-wide state the call left changed, in words
+
+
 class Ok(NamedTuple):
     result: Any
     caught: str = ""  # what the call caught and returned as a finding (``caught``)
     rss: int = 0  # the rank's resident bytes after the call
+    left: Left | None = None
 
 
 class Error(NamedTuple):
     traceback: str
     exception: bytes | None = None  # pickled, where it pickles
+    left: Left | None = None
 
 
 class Stuck(NamedTuple):
@@ -140,23 +150,48 @@ def _rss() -> int:
         return 0
 
 
+def _state() -> dict | None:
+    from tpdp_verify import torch_internals
+
+    try:
+        return torch_internals.process_state()
+    except Exception:  # a torch that reads otherwise: nothing can be said left unchanged
+        return None
+
+
+def _left(before: dict | None) -> Left:
+    """What the call left: its groups' counts, and what it changed of the process's state
+    (where either cannot be read, the pool takes the ranks for changed: fresh ones follow)."""
+    from tpdp_verify import torch_internals
+
+    try:
+        groups = torch_internals.group_collectives()
+    except Exception:
+        groups = None
+    after = _state()
+    if before is None or after is None:
+        return Left(groups, "torch's process-wide state could not be read")
+    return Left(groups, torch_internals.changed(before, after))
+
+
 def reply(call: bytes) -> bytes:
     """Run one pickled (fn, args) and pickle what happened: ok, the result, what it caught
-    and the rank's resident memory after it; or error."""
+    and the rank's resident memory after it; or error; and what the call left in the rank."""
     global _CAUGHT
     _CAUGHT = ""
+    before = _state()
     try:
         fn, args = pickle.loads(call)
         result = _portable(fn(*args))
         from tpdp_verify.ranks import wire
 
-        return wire.dumps(Ok(result, _CAUGHT, _rss()))
+        return wire.dumps(Ok(result, _CAUGHT, _rss(), _left(before)))
     except Exception as exc:  # report every failure; BaseException still ends the rank
         try:
             exc_bytes = pickle.dumps(exc)
         except Exception:
             exc_bytes = None
-        return pickle.dumps(Error(traceback.format_exc(), exc_bytes))
+        return pickle.dumps(Error(traceback.format_exc(), exc_bytes, _left(before)))
 
 
 def _exit_when_orphaned(lifeline, stack_file: str) -> None:
