@@ -238,3 +238,22 @@ def test_a_run_made_to_explain_a_failure_never_becomes_its_finding(tpdp_pools):
     assert [signature.api(p) for p in verdict.signature] == \
         ["raised:RuntimeError at torch/distributed/fsdp/fully_sharded_data_parallel.py:forward"]
     assert verdict.plain_ddp.startswith("could not be run: rank") and "SIGABRT" in verdict.plain_ddp, verdict.plain_ddp
+
+
+def test_the_spmd_form_trains_after_tp_under_fsdp2_as_on_fresh_ranks(tpdp_pools):
+    """Fault 42: after TP under FSDP2 on the same ranks, DTensor's caches hand the SPMD
+    form's parameters an equal mesh of that case's, which fully_shard's SPMD form refuses; the
+    harness makes them on the mesh itself, as in a fresh process, so that no case's verdict
+    depends on the cases before it."""
+    from tpdp_verify import RankPool
+    from tpdp_verify.cases.training import Size
+
+    first = TrainCase(model="mlp", size=Size(dim=4, hidden=6), mesh_shape=(2, 2), entry="replicate_fsdp")
+    spmd = dataclasses.replace(first, entry="fully_shard", dp_mesh_dims="shard")
+    pool = tpdp_pools.get(4)
+    verdict_one_device(pool, "torch", first)
+    after = verdict_one_device(pool, "torch", spmd)
+    with RankPool(4) as fresh:
+        alone = verdict_one_device(fresh, "torch", spmd)
+    assert alone.checks and "different mesh objects" not in after.report(), after.report()
+    assert [(c.name, c.ok) for c in after.checks] == [(c.name, c.ok) for c in alone.checks]

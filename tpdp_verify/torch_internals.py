@@ -151,6 +151,22 @@ def group_collectives() -> tuple:
     return tuple(sorted(groups))
 
 
+def custom_op_handlers() -> dict:
+    """DTensor's table of ops it hands to a custom handler in place of sharding propagation
+    (loss_parallel installs its loss ops there); an empty dict where this torch keeps none."""
+    from torch.distributed.tensor import DTensor
+
+    return getattr(DTensor._op_dispatcher, "_custom_op_handlers", {})
+
+
+def clear_sharding_caches() -> None:
+    """Empty DTensor's caches of sharding propagation (its C++ fast path's and Python's), as a
+    fresh process has them: their entries hold the mesh objects of the ops that filled them."""
+    from torch.distributed.tensor import debug
+
+    _first(debug, ("_clear_sharding_prop_cache",), "DTensor's sharding caches")()
+
+
 def process_state() -> dict[str, Any]:
     """What one call can leave set in a process for the calls after it: torch's global modes
     and the tables DTensor and nn.Module consult on every op (a context manager that yields
@@ -169,7 +185,7 @@ def process_state() -> dict[str, Any]:
         "autocast": torch.is_autocast_enabled("cpu"),
         "torch function modes": torch._C._len_torch_function_stack(),
         "dispatch modes": torch._C._len_torch_dispatch_stack(),
-        "DTensor's custom op handlers": frozenset(map(str, getattr(dispatcher, "_custom_op_handlers", {}))),
+        "DTensor's custom op handlers": frozenset(map(str, custom_op_handlers())),
         "DTensor's implicit replication": getattr(dispatcher, "_allow_implicit_replication", None),
         "global module hooks": tuple(len(getattr(module, name)) for name in sorted(dir(module))
                                      if name.startswith("_global_") and name.endswith("hooks")),

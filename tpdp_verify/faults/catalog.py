@@ -1649,4 +1649,43 @@ DTensor program written with `torch.where`.
     repro='f41_index_put_backward_mixes_a_plain_tensor.py',
     upstream=('https://github.com/pytorch/pytorch/issues/118461',),
 ),
+Fault(
+    number=42,
+    name="fully_shard's SPMD form refuses an equal mesh",
+    title="After TP under FSDP2 in a process, `fully_shard`'s SPMD form refuses parameters made on the very mesh it is given",
+    what="""`fully_shard(model, mesh=mesh, dp_mesh_dims=...)` (and the FSDP2-based `replicate`) requires each
+parameter's DTensor mesh to be `mesh` itself: `_init_sharding_spec_spmd` compares them by identity
+(`spmd_mesh is not self.mesh_info.spmd_mesh`). DTensor treats equal meshes as one: its sharding
+propagation caches each op's output spec, mesh object included, under a key that compares meshes by
+value, and hands that spec to the next op on an equal mesh. TP under FSDP2 on a dp submesh (FSDP2's
+TP path; its `replicate` here) builds, for each parameter, a new mesh equal to the whole one
+(`DeviceMesh._concatenate`) and makes the parameter there (`nn.Parameter`, a `detach`), replicated
+over dp and sharded over tp. Afterwards, in the same process,
+`nn.Parameter(distribute_tensor(w, mesh, [Replicate(), Shard(0)]))` on the whole mesh returns a
+DTensor that holds that earlier mesh, and `fully_shard` raises `Expected param's DTensor mesh to be
+the same mesh passed to fully_shard, but got different mesh objects`. The same program in a fresh
+process, or on a shape the process has not met so, trains. (The mechanism, equal meshes sharing
+cache entries, is the one transformers met with two TP models in one process:
+huggingface/transformers#48383.)
+
+- **Caught by:** tpdp-verify's own tests: a case in the SPMD form failed only after a case with TP
+  under the FSDP2-based replicate had run on the same ranks (tests/test_exclusions.py); and its
+  reproduction. The gate's ranks take many cases, so where the SPMD form's parameters come back
+  holding another mesh, the harness empties DTensor's caches and makes them again on the mesh itself,
+  as a fresh process has them (tpdp_verify/ranks/tp_dp.py; tests/test_training.py): no case's
+  verdict depends on the cases before it.""",
+    consequence="""a process that trains or evaluates TP under FSDP2 and then builds a model in the SPMD
+  form on an equal mesh (a test suite, a notebook, a trainer that rebuilds its model) cannot wrap it:
+  `fully_shard` raises, though the parameters were made on the mesh it is given.""",
+    workaround="""build the SPMD-form model first in the process, or empty DTensor's caches before making its
+  parameters (`torch.distributed.tensor.debug._clear_sharding_prop_cache()`).""",
+    fix="compare the parameter's mesh with the one given by equality, as DTensor does",
+    entry_points=("fully_shard", "replicate_fsdp"),
+    apis=("torch.distributed.fsdp.fully_shard", "torch.distributed.tensor.distribute_tensor"),
+    source=("torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharding_spec_spmd",
+            "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharding_spec_tp"),
+    shows=(),
+    repro="f42_spmd_fully_shard_refuses_an_equal_mesh.py",
+    upstream=(),
+),
 )

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tpdp_verify import signature
+from tpdp_verify import signature, torch_internals
 from tpdp_verify.cases.training import TrainCase
 from tpdp_verify.fixtures.zoo import ZOO, Fixture
 from tpdp_verify.ranks import taps
@@ -581,9 +581,16 @@ def maybe_loss_parallel(on: bool, seen: set[str] | None = None):
     handlers = loss.customized_loss_ops  # read when loss_parallel() enters and exits
     if seen is not None:
         loss.customized_loss_ops = {op: taps.noting(op, handler, seen) for op, handler in handlers.items()}
+    table = torch_internals.custom_op_handlers()
+    before = dict(table)
     try:
         with loss_parallel():
             yield
     finally:
         loss.customized_loss_ops = handlers
+        # A body that raises leaves loss_parallel's handlers installed (fault 32, torch 2.13):
+        # every later loss of the process would run them, the next run's of this call
+        # included. The table is put back as loss_parallel's own exit leaves it.
+        table.clear()
+        table.update(before)
 

@@ -14,7 +14,7 @@ import traceback
 import torch
 from torch.distributed.tensor import DTensor
 
-from tpdp_verify import signature
+from tpdp_verify import signature, torch_internals
 from tpdp_verify.cases.training import DTENSOR, TrainCase
 from tpdp_verify.ranks.loop import (Run, Trace, build, checkpoint_blocks, fixture, ignorable, make_optimizer, train,
                                     user_named)
@@ -109,6 +109,11 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     model = build(case if seed is None else dataclasses.replace(case, seed=seed))
     if tp and case.dp_mesh_dims:
         model = on_the_whole_mesh(case, model, mesh)
+        if not _held_by(model, mesh):  # fault 42: an earlier case's equal mesh, handed back by
+            # DTensor's caches, which fully_shard's SPMD form refuses; in a fresh process the
+            # parameters hold the mesh they were made on, so they are made so again
+            torch_internals.clear_sharding_caches()
+            model = on_the_whole_mesh(case, build(case if seed is None else dataclasses.replace(case, seed=seed)), mesh)
     elif tp:
         model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
@@ -126,6 +131,11 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     before = dict(model.named_parameters(remove_duplicate=False))
     early = make_optimizer(case, model.parameters()) if case.built == "before_wrap" else None
     return model, before, early
+
+
+def _held_by(model, mesh) -> bool:
+    """Whether every DTensor parameter of ``model`` holds ``mesh`` itself (not an equal one)."""
+    return all(p.device_mesh is mesh for p in model.parameters() if isinstance(p, DTensor))
 
 
 def on_the_whole_mesh(case: TrainCase, model, mesh):
