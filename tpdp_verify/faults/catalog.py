@@ -1315,10 +1315,11 @@ dispatcher. Every later cross entropy over a DTensor in that process, outside an
 `loss_parallel()`, goes through them: over replicated logits (an evaluation loop's) it raises
 `loss_parallel() requires exactly one mesh dim to shard tensor dimension 1`.
 
-- **Caught by:** its reproduction alone. The gate's ranks see it without making it a finding:
-  each call reports what it left changed of torch's process-wide state (DTensor's custom op
-  handlers among it), and ranks so left are replaced before the next case, so that no case
-  depends on the ones before it (tpdp_verify/ranks/pool.py).""",
+- **Caught by:** its reproduction alone. The gate's ranks take many cases, so the training loop
+  puts DTensor's table back after its `loss_parallel()` block (tpdp_verify/ranks/loop.py), and
+  each call reports what it left changed of torch's process-wide state, DTensor's custom op
+  handlers among it: ranks so left are replaced before the next case, so that no case depends on
+  the ones before it (tpdp_verify/ranks/pool.py; tests/test_pool.py shows the table left changed).""",
     consequence="""a training loop that survives an exception in its loss step (a skipped batch, a retried
   step) computes every later DTensor loss with the parallel handlers: evaluation over replicated
   logits raises, and a loss over sharded logits meant to be gathered goes through loss_parallel's
