@@ -105,15 +105,15 @@ def tp_model(case: TrainCase, mesh, tp: bool = True, seed: int | None = None):
     """The case's model from ``seed`` (default the case's), TP'd on mesh["tp"] unless ``tp``
     is False: (model, its parameters before any DP wrapper, the optimizer the case builds
     before wrapping or None)."""
-    fx = fixture(case)
-    model = build(case if seed is None else dataclasses.replace(case, seed=seed))
+    fx, seeded = fixture(case), case if seed is None else dataclasses.replace(case, seed=seed)
+    model = build(seeded)
     if tp and case.dp_mesh_dims:
         model = on_the_whole_mesh(case, model, mesh)
         if not _held_by(model, mesh):  # fault 42: an earlier case's equal mesh, handed back by
             # DTensor's caches, which fully_shard's SPMD form refuses; in a fresh process the
             # parameters hold the mesh they were made on, so they are made so again
             torch_internals.clear_sharding_caches()
-            model = on_the_whole_mesh(case, build(case if seed is None else dataclasses.replace(case, seed=seed)), mesh)
+            model = on_the_whole_mesh(case, build(seeded), mesh)
     elif tp:
         model = apply_tp(fx, case, model, mesh)
         if fx.after_parallelize is not None:
