@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import logging
 import math
 import os
@@ -255,6 +256,10 @@ def main(rank, world_size, backend, port, conn, lifeline, timeout_s, stack_file,
         # timeout importing DTensor, and a short timeout would call that a hang.
         import torch.distributed.tensor  # noqa: F401
         import torch.utils._pytree  # noqa: F401
+        # What the rank holds now (torch's modules, the group) lives as long as the rank:
+        # kept out of the garbage collector's passes, whose full ones would walk it all
+        # (a third of a second each at world size 4; docs/performance.md).
+        gc.freeze()
     except Exception:
         conn.send_bytes(pickle.dumps(Error(traceback.format_exc())))
         return
