@@ -57,14 +57,11 @@ def identity(drawn: dict) -> dict:
 def _fields(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {"": type(value).__qualname__}
-        for f in dataclasses.fields(value):
-            if not f.compare:
-                continue
-            given = getattr(value, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else \
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
-            if default is dataclasses.MISSING or not _same(given, default):
-                out[f.name] = _fields(given)
+        for name, default in _defaults(type(value)):
+            raw = getattr(value, name)
+            given = _fields(raw)  # once: a subtree's fields, compared and kept
+            if default is dataclasses.MISSING or (type(raw), given) != default:
+                out[name] = given
         return out
     if isinstance(value, (list, tuple)):
         return [_fields(v) for v in value]
@@ -73,9 +70,24 @@ def _fields(value):
     return repr(value)
 
 
-def _same(a, b) -> bool:
-    """Field by field (a repr may leave a field out), not by ``==`` (a tensor's is elementwise)."""
-    return type(a) is type(b) and _fields(a) == _fields(b)
+_DEFAULTS: dict[type, list] = {}
+
+
+def _defaults(cls: type) -> list:
+    """(name, fields of its default) for each field of ``cls`` that takes part in equality:
+    the default's fields where it has one (of the same type as a value: compared field by
+    field, not by ``==``, since a tensor's is elementwise), else MISSING. Computed once a
+    class; a case's identity is computed for every drawn case."""
+    if cls not in _DEFAULTS:
+        out = []
+        for f in dataclasses.fields(cls):
+            if not f.compare:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else \
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+            out.append((f.name, default if default is dataclasses.MISSING else (type(default), _fields(default))))
+        _DEFAULTS[cls] = out
+    return _DEFAULTS[cls]
 
 
 @dataclass(frozen=True)
