@@ -121,9 +121,11 @@ def rank_main(rank, port, answers):
 
 def run_ranks() -> dict:
     """{rank: (status, value)}: status ok, error (a bug in this script), hung or aborted."""
-    # forkserver: torch imported once, by the server the ranks are forked from (spawn imports it in each)
+    # forkserver: torch and the distributed packages the reproductions use imported once, by the
+    # server the ranks are forked from (spawn imports them in each rank: seconds of CPU a rank)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor.parallel",
+                                "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo"])
     listener = socket.create_server(("127.0.0.1", 0))  # a free port, on loopback only
     port = listener.getsockname()[1]
     # The ranks' rendezvous, hosted here on the listener so that it listens on loopback only.
