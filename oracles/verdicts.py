@@ -50,8 +50,8 @@ def verdict_one_device(pool, impl: str, case: TrainCase,
                        explain: Callable[[Signature], bool] = lambda signature: True) -> Verdict:
     """The case on the ranks, judged against one device; a departure ``explain`` accepts is
     run twice more, to name the first module that departs and to run it without TP."""
-    traces, (rounded, shadow) = pool.run_beside(lambda: oracle(case), observe, case, impl)
-    whole, checks = assemble(case, traces)
+    whole, checks = assemble(case, pool.run(observe, case, impl))
+    rounded, shadow = oracle(case)
     verdict = judge_training(case, whole, rounded, shadow)
     verdict.checks[:0] = checks
     if not verdict.ok and explain(verdict.signature):
@@ -62,9 +62,10 @@ def verdict_one_device(pool, impl: str, case: TrainCase,
 def verdict_plain_ddp(pool, impl: str, case: TrainCase) -> Verdict:
     """The case on the ranks and without TP through the same entry point, in one call,
     judged against each other within the bound plain DDP earns."""
-    traces, (_, shadow) = pool.run_beside(lambda: oracle(case), observe_with_plain_ddp, case, impl)
+    traces = pool.run(observe_with_plain_ddp, case, impl)
     tpdp, tp_checks = assemble(case, [t for t, _ in traces])
     plain, plain_checks = assemble(case, [p for _, p in traces])
+    _, shadow = oracle(case)
     if plain.error:  # plain DDP refuses the case: TP+DP must refuse it the same way
         return Verdict([Check("refuses what plain DDP refuses", bool(tpdp.error),
                               f"plain DDP raised {plain.error!r}; TP+DP {tpdp.error or 'trained'}")],

@@ -175,15 +175,3 @@ def observe_fsdp1_with(case, impl, keywords):
         return observe(case, impl)
     finally:
         fsdp.FullyShardedDataParallel = real
-
-
-def wait_for(directory, seconds):
-    """Says it started (a file a rank), then waits for the parent's ``go`` file: answered
-    only where the parent works while the ranks do."""
-    open(os.path.join(directory, f"started{dist.get_rank()}"), "w").close()
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(os.path.join(directory, "go")):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the parent never said go")
-        time.sleep(0.01)
-    return dist.get_rank()

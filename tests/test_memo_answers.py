@@ -34,9 +34,6 @@ class DryPool:
     def run(self, fn, *args, **kwargs):
         raise Dry("a dry search runs nothing")
 
-    def run_beside(self, here, fn, *args, **kwargs):
-        return self.run(fn, *args)
-
 
 @pytest.fixture(scope="module")
 def shipped():

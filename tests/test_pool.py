@@ -43,35 +43,6 @@ def test_device_mesh_is_created_once_per_shape(pool):
     assert all(same and names == ("dp", "tp") and tp == 2 for _, same, names, tp in first)
 
 
-def _go_once_the_ranks_started(directory, world_size: int) -> str:
-    deadline = time.monotonic() + TIMEOUT
-    while not all(os.path.exists(os.path.join(directory, f"started{r}")) for r in range(world_size)):
-        assert time.monotonic() < deadline, "the ranks had not started when the parent's work ran"
-        time.sleep(0.01)
-    open(os.path.join(directory, "go"), "w").close()
-    return "here"
-
-
-def test_run_beside_computes_here_while_the_ranks_work(pool, tmp_path):
-    """The ranks wait for a file that ``here`` writes once they have all started: the call
-    is answered only where ``here`` runs while they work (one after the other, it fails)."""
-    results, mine = pool.run_beside(lambda: _go_once_the_ranks_started(tmp_path, 4), rank_fns.wait_for,
-                                    str(tmp_path), TIMEOUT / 2)
-    assert results == [0, 1, 2, 3] and mine == "here"
-
-
-def test_run_beside_raises_the_ranks_failure_first_then_heres_and_keeps_the_ranks(pool):
-    def broken():
-        raise ZeroDivisionError("here")
-
-    with pytest.raises(RankFailed, match="boom on 1"):
-        pool.run_beside(broken, rank_fns.raise_on, 1)
-    pids = pool.pids
-    with pytest.raises(ZeroDivisionError, match="here"):  # after the ranks answered, in step
-        pool.run_beside(broken, rank_fns.rank_and_sum, "x")
-    assert pool.pids == pids and pool.run(rank_fns.rank_and_sum, "y")[3][1] == "y"
-
-
 def test_mesh_that_does_not_fit_the_world_is_a_usage_error(pool):
     with pytest.raises(RankFailed) as info:
         pool.run(rank_fns.wrong_mesh)

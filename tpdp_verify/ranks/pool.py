@@ -513,15 +513,11 @@ class _Ranks:
             self.baseline = rss
         self.outgrown = any(rss.get(r, 0) > size * (1 + growth) for r, size in self.baseline.items() if size)
 
-    def send(self, payload: bytes) -> None:
-        self.busy = True
+    def call(self, payload: bytes, what: str, timeout: float, grace: float,
+             waiting: Callable[[str], None] | None = None) -> dict[int, Reply]:
+        self.busy, self.limit = True, timeout
         for conn in self.conns:
             conn.send_bytes(payload)
-
-    def answers(self, what: str, timeout: float, grace: float,
-                waiting: Callable[[str], None] | None = None) -> dict[int, Reply]:
-        """The replies to the call sent last, the timeout counted from now."""
-        self.limit = timeout
         replies = self.collect(what, time.monotonic() + timeout, grace, waiting)
         self.busy = any(isinstance(r, Stuck) for r in replies.values())
         return replies
@@ -561,16 +557,6 @@ def _keeps(replies: dict[int, Reply]) -> bool:
     if any(getattr(reply, "left", None) is None or reply.left.changed for reply in replies.values()):
         return False
     return not _raised(replies) or _in_step(replies)
-
-
-def _computed(here: Callable[[], Any] | None) -> tuple[Any, Exception | None]:
-    """``here()``'s value, or what it raised, kept until the ranks have answered."""
-    if here is None:
-        return None, None
-    try:
-        return here(), None
-    except Exception as exc:
-        return None, exc
 
 
 def _under_launcher() -> bool:
@@ -731,16 +717,6 @@ class RankPool:
         Raises RankFailed when ``fn`` raised on any rank, RankTimeout or RankDied (both
         PoolError) when ranks hung or died; after those the next call respawns the ranks.
         """
-        return self.run_beside(None, fn, *args, timeout=timeout)[0]
-
-    def run_beside(self, here: Callable[[], Any] | None, fn: Callable, /, *args: Any,
-                   timeout: float | None = None) -> tuple[list, Any]:
-        """``run(fn, *args)``, with ``here()`` computed in this process while the ranks work:
-        the ranks' results and here's. What the ranks' answers are judged against (a case's
-        one-device run) then costs no wall time of its own: the ranks wait for nothing at
-        world size 2, and the parent fills the gaps of their collectives at 4. A failure of
-        the ranks is raised first, as if ``here`` had run after them; ``timeout`` counts from
-        the end of ``here``."""
         what = f"`{_name(fn)}`"
         try:
             payload = pickle.dumps((fn, args))
@@ -751,7 +727,6 @@ class RankPool:
             ) from None
         if self.attached:
             replies = self._gather_attached(payload)
-            mine = _computed(here)
         else:
             if self._ranks is not None and self._ranks.outgrown:
                 self._retire(graceful=True)  # before the call, so the ranks that answered stay up
@@ -759,9 +734,7 @@ class RankPool:
                 self._start()
             start = time.monotonic()
             try:
-                self._ranks.send(payload)
-                mine = _computed(here)
-                replies = self._ranks.answers(what, timeout or self._timeout(), self.error_grace, self.waiting)
+                replies = self._ranks.call(payload, what, timeout or self._timeout(), self.error_grace, self.waiting)
             except BaseException as exc:  # hang, death, or the caller interrupted (Ctrl-C, timeout)
                 self.hung = self.hung or isinstance(exc, RankTimeout)
                 self._retire(graceful=False)
@@ -771,11 +744,7 @@ class RankPool:
                 self._retire(graceful=False)
             elif self.max_rss_growth:
                 self._ranks.note(replies, self.max_rss_growth)
-        results = self._results(what, replies)
-        value, error = mine
-        if error is not None:
-            raise error
-        return results, value
+        return self._results(what, replies)
 
     def _timeout(self) -> float:
         if not (self.hung and self.after_hang):
