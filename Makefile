@@ -24,8 +24,9 @@ demo: $(STAMP)
 
 # Two workers, a test file each at a time: half the suite's time is its ranks and gates
 # waiting (process starts, timeouts, gloo), which the other worker fills (docs/performance.md).
+# The files handed out longest first, in tests/conftest.py's order (not xdist's, by count).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pool.py

@@ -19,14 +19,18 @@ SMOKE_AGAINST_THE_RELEASE = ("gate", "--profile", "smoke", "--baseline", "torch=
 
 
 # The test files taking the most of `make test`'s time, the longest first (its --durations,
-# summed by file, 2026-11-28). xdist's loadfile hands a worker the next file in collection
-# order as it frees up, so a long file collected late leaves the other worker idle at the end;
-# handed out first, the short ones fill in after (longest-processing-time-first). The rest
-# keep their order, after these; within a file nothing moves.
-LONGEST_FIRST = ("test_shards.py", "test_cli.py", "test_conformance.py", "test_gate_power.py", "test_training.py",
-                 "test_baseline.py", "test_transformers.py", "test_replay.py", "test_packaging.py", "test_plugin.py",
-                 "test_totality.py", "test_structure.py", "test_faults.py", "test_checkpoint.py",
-                 "test_large_dp.py", "test_torchtitan.py", "test_repros.py")
+# summed by file, 2026-11-29). xdist's loadfile hands a worker the next file in collection
+# order as it frees up (with --no-loadscope-reorder, as `make test` runs it: by default xdist
+# orders the files by their number of tests instead), so a long file collected late leaves
+# the other worker idle at the end; handed out first, the short ones fill in after
+# (longest-processing-time-first). test_baseline comes early: it makes the smoke run it
+# shares with test_shards (conftest's smoke_against_the_release), which test_shards then
+# reads at once rather than waiting on its lock. The rest keep their order, after these;
+# within a file nothing moves.
+LONGEST_FIRST = ("test_cli.py", "test_baseline.py", "test_gate_power.py", "test_repros.py", "test_training.py",
+                 "test_replay.py", "test_conformance.py", "test_shards.py", "test_plugin.py", "test_torchtitan.py",
+                 "test_packaging.py", "test_structure.py", "test_memo_answers.py", "test_transformers.py",
+                 "test_fsdp_extension.py", "test_faults.py", "test_pool.py", "test_plan.py", "test_large_dp.py")
 
 
 def pytest_collection_modifyitems(items):
