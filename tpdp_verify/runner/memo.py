@@ -74,10 +74,10 @@ _DEFAULTS: dict[type, list] = {}
 
 
 def _defaults(cls: type) -> list:
-    """(name, fields of its default) for each field of ``cls`` that takes part in equality:
-    the default's fields where it has one (of the same type as a value: compared field by
-    field, not by ``==``, since a tensor's is elementwise), else MISSING. Computed once a
-    class; a case's identity is computed for every drawn case."""
+    """(name, default) for each field of ``cls`` that takes part in equality: the default's
+    type and fields where it has one (a value equals it where both do: field by field, not
+    by ``==``, since a tensor's is elementwise), else MISSING. Computed once a class; a
+    case's identity is computed for every drawn case."""
     if cls not in _DEFAULTS:
         out = []
         for f in dataclasses.fields(cls):
