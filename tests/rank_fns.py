@@ -175,3 +175,10 @@ def observe_fsdp1_with(case, impl, keywords):
         return observe(case, impl)
     finally:
         fsdp.FullyShardedDataParallel = real
+
+
+def print_to_sys_stderr(text):
+    """Python's print to ``sys.stderr``, as torch's Python warnings reach it."""
+    import sys
+
+    print(f"rank {dist.get_rank()} {text}", file=sys.stderr, flush=True)

@@ -368,6 +368,39 @@ def test_ranks_fork_from_a_server_without_a_terminal_and_still_print_on_the_call
     assert parents == f"[{server}, {server}]"  # each rank forked from it
 
 
+REPLACED_STREAMS_SCRIPT = """
+import io
+import sys
+
+import rank_fns
+from tpdp_verify.ranks.pool import RankPool, warm_up
+
+if __name__ == "__main__":
+    sys.stdout, sys.stderr = io.StringIO(), io.StringIO()  # as pytest's capture or a notebook has them
+    warm_up(here=True)  # the CLI's first step, here called in process (cli.main)
+    with RankPool(2, output=sys.argv[1]) as pool:
+        pool.run(rank_fns.print_to_sys_stderr, "warns")
+"""
+
+
+def test_a_server_forked_from_a_caller_with_its_own_streams_gives_the_ranks_their_logs(tmp_path):
+    """cli.main in a process whose sys.stderr is an object of its own (pytest's capture, a
+    notebook's) forks the ranks' server from itself: what a rank prints through Python's
+    sys.stderr still reaches its log, as from a spawned server (it once went into the rank's
+    copy of the caller's object, and the ranks' logs came out empty)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "script.py").write_text(REPLACED_STREAMS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "script.py", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} warns" in (tmp_path / f"world2-rank{rank}.log").read_text()
+
+
 FORKED_SERVER_SCRIPT = """
 import json
 import os

@@ -164,8 +164,9 @@ def _fork_server() -> bool:
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:  # nothing of this process's left in a buffer for the server to write
+            stream.flush()
     pid = os.fork()
     if pid == 0:  # the server: never returns
         code = 1
@@ -184,10 +185,16 @@ def _fork_server() -> bool:
 
 
 def _as_a_fresh_interpreter(keep: set[int]) -> None:
-    """In the forked server: the descriptors, signal handlers and hooks a spawned server
-    starts with (its standard streams are /dev/null already), so neither it nor the ranks it
-    forks hold this command's pipes or run its handlers."""
+    """In the forked server: the descriptors, signal handlers, hooks and standard streams a
+    spawned server starts with (descriptors 0-2 are /dev/null already), so neither it nor
+    the ranks it forks hold this command's pipes or run its handlers. ``sys.stderr`` too: a
+    caller that replaced it (pytest's capture, a notebook) would otherwise have each rank
+    print into a copy of that object, not to its descriptor 2, which holds its log."""
     import warnings
+
+    for name in ("stdin", "stdout", "stderr"):
+        if getattr(sys, f"__{name}__") is not None:
+            setattr(sys, name, getattr(sys, f"__{name}__"))
 
     fds = [int(n) for n in os.listdir("/proc/self/fd")] if os.path.isdir("/proc/self/fd") else range(3, 1024)
     for fd in fds:
