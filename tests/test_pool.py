@@ -424,6 +424,48 @@ if __name__ == "__main__":
 """
 
 
+INHERITED_HANDLERS_SCRIPT = """
+import logging
+import sys
+
+import rank_fns
+from tpdp_verify.ranks.pool import RankPool, warm_up
+
+if __name__ == "__main__":
+    # Handlers on files of the caller's own, as pytest's logging plugin has one on /dev/null
+    # for the whole run: enough of them to cover the low descriptors a rank opens.
+    for n in range(12):
+        logging.getLogger().addHandler(logging.FileHandler(f"{sys.argv[1]}/caller-{n}.log"))
+    warm_up(here=True)  # the CLI's first step, here called in process (cli.main)
+    with RankPool(2, timeout=60) as pool:
+        for _ in range(3):
+            answers = pool.run(rank_fns.log_to_the_root_logger, "logs")
+            assert [a.tolist() for a in answers] == [[0, 1, 2, 3], [1, 2, 3, 4]], answers
+    print("answered")
+"""
+
+
+def test_what_the_callers_objects_write_in_a_forked_server_goes_nowhere(tmp_path):
+    """The forked server closes the caller's descriptors, but the caller's Python objects
+    that hold them (a logging handler's file: pytest's on /dev/null) live on in it and in
+    each rank, and a descriptor the rank opens later takes the same number: a warning
+    logged through the root logger went into the rank's connection to the parent, whose
+    next read took the text for a message's length and waited for a gigabyte (make test's
+    checkpoint tests, once test_cli's in-process gate had forked the server). Now each such
+    descriptor stays open on /dev/null: the rank's answers arrive, and the caller's files
+    get nothing from the ranks."""
+    import subprocess
+    import sys
+
+    (tmp_path / "script.py").write_text(INHERITED_HANDLERS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "script.py", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, env=env, timeout=240)
+    assert done.returncode == 0 and "answered" in done.stdout, done.stderr[-3000:]
+    assert not any("rank" in f.read_text() for f in tmp_path.glob("caller-*.log"))
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the fork server's fds from /proc")
 def test_a_command_forks_the_ranks_server_from_itself_with_none_of_its_descriptors_or_handlers(tmp_path):
     """``warm_up(here=True)``, the CLI's first step: the server is the command forked once it

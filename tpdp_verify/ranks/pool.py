@@ -189,7 +189,12 @@ def _as_a_fresh_interpreter(keep: set[int]) -> None:
     spawned server starts with (descriptors 0-2 are /dev/null already), so neither it nor
     the ranks it forks hold this command's pipes or run its handlers. ``sys.stderr`` too: a
     caller that replaced it (pytest's capture, a notebook) would otherwise have each rank
-    print into a copy of that object, not to its descriptor 2, which holds its log."""
+    print into a copy of that object, not to its descriptor 2, which holds its log.
+
+    The caller's other descriptors are pointed at /dev/null, not closed: its Python objects
+    that hold them (a logging handler's file, as pytest's on /dev/null) live on here and in
+    each rank, and a closed number is the next one a rank opens, its connection to the
+    parent among them: a warning logged through the root logger went into that connection."""
     import warnings
 
     for name in ("stdin", "stdout", "stderr"):
@@ -197,10 +202,13 @@ def _as_a_fresh_interpreter(keep: set[int]) -> None:
             setattr(sys, name, getattr(sys, f"__{name}__"))
 
     fds = [int(n) for n in os.listdir("/proc/self/fd")] if os.path.isdir("/proc/self/fd") else range(3, 1024)
+    null = os.open(os.devnull, os.O_RDWR)
     for fd in fds:
-        if fd > 2 and fd not in keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if fd > 2 and fd not in keep and fd != null:
+            with contextlib.suppress(OSError):  # not open: the listing's own, the fallback's range
+                os.fstat(fd)
+                os.dup2(null, fd)
+    os.close(null)
     for sig in signal.valid_signals():
         handler = signal.getsignal(sig)
         if callable(handler) and handler is not signal.default_int_handler:
