@@ -412,6 +412,7 @@ from tpdp_verify.ranks.pool import RankPool, warm_up
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: None)  # a command's own handler
     held = os.pipe()  # and a descriptor of its own
+    print("printed before")  # left in the buffer: stdout is a pipe
     warm_up(here=True)
     server = forkserver._forkserver._forkserver_pid
     with RankPool(2) as pool:
@@ -471,7 +472,8 @@ def test_a_command_forks_the_ranks_server_from_itself_with_none_of_its_descripto
     """``warm_up(here=True)``, the CLI's first step: the server is the command forked once it
     has imported torch (torch imported once a command, not twice), and holds what a spawned
     server would: no descriptor of the command's but /dev/null as its stdio, no handler of
-    the command's (SIGTERM ends it); it ends with the command."""
+    the command's (SIGTERM ends it); it ends with the command. What the command printed
+    before is printed once."""
     import json
     import subprocess
     import sys
@@ -479,8 +481,11 @@ def test_a_command_forks_the_ranks_server_from_itself_with_none_of_its_descripto
     from helpers import wait_gone
 
     (tmp_path / "script.py").write_text(FORKED_SERVER_SCRIPT)
-    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's block buffer
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
+                          env=buffered, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("printed before") == 1  # neither lost nor written again by the server
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["server_parent"] == seen["me"] and seen["parents"] == [seen["server"]] * 2  # forked from it
     assert not seen["caught"] & (1 << (signal.SIGTERM - 1))

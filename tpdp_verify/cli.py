@@ -393,17 +393,21 @@ class _GateRun:
 
 def _run_gate(args: argparse.Namespace, run: _GateRun) -> int:
     from tpdp_verify import outputs
+    from tpdp_verify.impls import select as impl_mod
     from tpdp_verify.ranks import pool
+    from tpdp_verify.runner.suite import load as load_suite
 
+    # What the command names is refused in its one line before the ranks' server imports its
+    # preloads (seconds): the suite, the implementation, the selection.
+    profile = run.profile
+    suite = run.suite = load_suite(args.suite)
+    impl_mod.load(args.impl)
+    _select(args, run)
     pool.warm_up(here=True)  # the ranks' fork server, forked once this process has imported torch
     from tpdp_verify.runner import baseline
     from tpdp_verify.runner.gate import InternalError, iter_gate, summary, verdict
     from tpdp_verify.status import verdict_line
-    from tpdp_verify.runner.suite import load as load_suite
 
-    profile = run.profile
-    suite = run.suite = load_suite(args.suite)
-    _select(args, run)
     logs = _quiet(args)
     progress = lambda line: print(line, flush=True)  # noqa: E731
     if args.baseline:

@@ -120,6 +120,9 @@ def _start_server(ctx, fork_after: list[str] | None = None) -> None:
         except OSError:  # a process without all three (a daemon): the server gets what there is
             forkserver.ensure_running()
             return
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            if stream is not None:  # what this process printed goes out now, not to /dev/null below
+                stream.flush()  # (and a forked server has none of it in a buffer to write again)
         null = os.open(os.devnull, os.O_RDWR)
         try:
             for fd in (0, 1, 2):
@@ -164,10 +167,7 @@ def _fork_server() -> bool:
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        if stream is not None:  # nothing of this process's left in a buffer for the server to write
-            stream.flush()
-    pid = os.fork()
+    pid = os.fork()  # this process's streams flushed (_start_server)
     if pid == 0:  # the server: never returns
         code = 1
         try:
