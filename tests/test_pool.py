@@ -511,7 +511,8 @@ def test_ranks_blocked_in_a_collective_for_a_rank_that_raised_are_not_waited_out
 
 def test_a_death_that_only_the_ranks_history_causes_is_judged_on_fresh_ranks(pool):
     """on_fresh_ranks: a rank that dies after earlier runs, and not on fresh ranks, leaves the
-    verdict to the fresh run and its death to the record; one that dies again is the case's."""
+    verdict to the fresh run and its death to the record; one that dies again is the case's,
+    and so is one on ranks that had run nothing: that run is not made twice."""
     from tpdp_verify.runner.property import on_fresh_ranks
 
     history: list = []
@@ -521,6 +522,15 @@ def test_a_death_that_only_the_ranks_history_causes_is_judged_on_fresh_ranks(poo
     with pytest.raises(RankDied):  # dies on fresh ranks too: its own death
         on_fresh_ranks(lambda: pool.run(rank_fns.die_on, 2, "segfault"), history=history)
     assert len(history) == 1
+    # on ranks that have run nothing (the death retired the last ones) one run says it
+    runs = []
+    assert pool.fresh
+    with pytest.raises(RankDied):
+        on_fresh_ranks(lambda: (runs.append(1), pool.run(rank_fns.die_on, 2, "segfault")), history=history,
+                       fresh=pool.fresh)
+    assert len(runs) == 1 and len(history) == 1 and pool.fresh
+    pool.run(rank_fns.rank_and_sum, 1)
+    assert not pool.fresh
 
 
 def test_the_fork_server_starts_under_a_temp_dir_too_long_for_its_socket(tmp_path):

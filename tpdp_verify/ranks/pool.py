@@ -422,6 +422,7 @@ class _Ranks:
         lifeline_r.close()
         self.lifeline = lifeline_w
         self.busy = False
+        self.asked = 0  # calls sent to this generation
         self.calls = 0  # calls this generation has answered
         self.baseline: dict[int, int] = {}  # rank -> resident bytes after call BASELINE_CALL
         self.outgrown = False  # a rank has grown past the pool's max_rss_growth
@@ -531,6 +532,7 @@ class _Ranks:
     def call(self, payload: bytes, what: str, timeout: float, grace: float,
              waiting: Callable[[str], None] | None = None) -> dict[int, Reply]:
         self.busy, self.limit = True, timeout
+        self.asked += 1
         for conn in self.conns:
             conn.send_bytes(payload)
         replies = self.collect(what, time.monotonic() + timeout, grace, waiting)
@@ -718,6 +720,12 @@ class RankPool:
     def pids(self) -> list[int]:
         """Process ids of the current ranks (empty when attached or between generations)."""
         return self._ranks.pids if self._ranks else []
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the next call runs on ranks that have run nothing before it (a new
+        generation); never under a launcher, whose ranks are the job's."""
+        return not self.attached and (self._ranks is None or self._ranks.outgrown or not self._ranks.asked)
 
     def __repr__(self) -> str:
         mode = "attached" if self.attached else f"spawns={self.spawns}"

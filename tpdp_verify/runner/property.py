@@ -122,17 +122,21 @@ def finding(exc: BaseException) -> Divergence | None:
     return None
 
 
-def on_fresh_ranks(run: Callable[[], None], history: list | None = None, case: dict | None = None) -> None:
+def on_fresh_ranks(run: Callable[[], None], history: list | None = None, case: dict | None = None,
+                   fresh: bool = False) -> None:
     """``run()``, and should a rank die, once more. A pool whose rank died starts fresh
     ranks, so the second run has no history: a death it shows again is the case's own. One
     it does not show came from what earlier cases left in the ranks (torch reading memory
     it freed, a group left broken), so the case is judged by its second run and the death
     is kept in ``history`` with ``case``: a verdict must not depend on which cases ran
-    before it on the same processes."""
+    before it on the same processes. ``fresh``: ``run`` starts on ranks that have run
+    nothing, so its death is the case's own at once (run again, it would meet the same)."""
     try:
         run()
         return
     except RankDied as died:
+        if fresh:
+            raise
         first = str(died)
     again = False
     try:
@@ -206,7 +210,8 @@ class Property:
              history: list | None = None) -> None:
         """The property once on ``drawn`` (again on fresh ranks should a rank die: on_fresh_ranks)."""
         extra = {"explain": explain} if self.explains else {}
-        on_fresh_ranks(lambda: self.fn(pool, impl, **drawn, **extra), history=history, case=drawn)
+        on_fresh_ranks(lambda: self.fn(pool, impl, **drawn, **extra), history=history, case=drawn,
+                       fresh=getattr(pool, "fresh", False))
 
     def run(self, pool, impl: str, profile: Profile, stats: Stats | None = None,
             judge: Judge | None = None) -> Stats:
