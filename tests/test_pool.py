@@ -1,6 +1,7 @@
 """RankPool on real gloo ranks: results, mesh cache, and every failure mode for real."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -331,6 +332,22 @@ def test_nccl_pool_runs_on_gpus():
         assert [r[2].item() for r in pool.run(rank_fns.rank_and_sum, "n")] == [1.0, 1.0]
 
 
+def run_script(tmp_path, script: str, *args: str, unbuffered: bool = True):
+    """``script`` run as a user's file of its own in ``tmp_path`` (tests/ on its path, for
+    rank_fns), with ``args``; its completed process. ``unbuffered=False``: its stdout keeps a
+    pipe's block buffer, whatever this process's environment says."""
+    import subprocess
+    import sys
+
+    (tmp_path / "script.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    if not unbuffered:
+        env.pop("PYTHONUNBUFFERED", None)
+    return subprocess.run([sys.executable, "script.py", *args], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=240)
+
+
 SERVER_SCRIPT = """
 import os
 from multiprocessing import forkserver
@@ -351,14 +368,7 @@ def test_ranks_fork_from_a_server_without_a_terminal_and_still_print_on_the_call
     """Ranks fork from a server that imported torch once. The server outlives the caller by
     its imports, so it holds none of the caller's stdio (a pipe reading it would stay open);
     each rank prints on the caller's stdout and stderr all the same."""
-    import subprocess
-    import sys
-
-    (tmp_path / "script.py").write_text(SERVER_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
-                          env=env, timeout=240)
+    done = run_script(tmp_path, SERVER_SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 says hello" in done.stdout and "rank 1 says hello" in done.stdout
     assert "rank 0 writes to fd 2" in done.stderr and "rank 1 writes to fd 2" in done.stderr
@@ -388,14 +398,7 @@ def test_a_server_forked_from_a_caller_with_its_own_streams_gives_the_ranks_thei
     notebook's) forks the ranks' server from itself: what a rank prints through Python's
     sys.stderr still reaches its log, as from a spawned server (it once went into the rank's
     copy of the caller's object, and the ranks' logs came out empty)."""
-    import subprocess
-    import sys
-
-    (tmp_path / "script.py").write_text(REPLACED_STREAMS_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "script.py", str(tmp_path)], cwd=tmp_path, capture_output=True,
-                          text=True, env=env, timeout=240)
+    done = run_script(tmp_path, REPLACED_STREAMS_SCRIPT, str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} warns" in (tmp_path / f"world2-rank{rank}.log").read_text()
@@ -455,16 +458,41 @@ def test_what_the_callers_objects_write_in_a_forked_server_goes_nowhere(tmp_path
     checkpoint tests, once test_cli's in-process gate had forked the server). Now each such
     descriptor stays open on /dev/null: the rank's answers arrive, and the caller's files
     get nothing from the ranks."""
-    import subprocess
-    import sys
-
-    (tmp_path / "script.py").write_text(INHERITED_HANDLERS_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(rank_fns.__file__),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "script.py", str(tmp_path)], cwd=tmp_path, capture_output=True,
-                          text=True, env=env, timeout=240)
+    done = run_script(tmp_path, INHERITED_HANDLERS_SCRIPT, str(tmp_path))
     assert done.returncode == 0 and "answered" in done.stdout, done.stderr[-3000:]
     assert not any("rank" in f.read_text() for f in tmp_path.glob("caller-*.log"))
+
+
+CALLERS_FRAMES_SCRIPT = """
+import rank_fns
+from tpdp_verify import stacks
+from tpdp_verify.errors import RankTimeout
+from tpdp_verify.ranks.pool import RankPool, warm_up
+
+
+def a_cell_of_the_users():  # the frame the ranks' server is forked in, as a notebook's cell
+    warm_up(here=True)
+    with RankPool(2, timeout=4) as pool:
+        try:
+            pool.run(rank_fns.barrier_unless, 0)
+        except RankTimeout as hang:
+            print(stacks.report(hang.stacks))
+
+
+if __name__ == "__main__":
+    a_cell_of_the_users()
+"""
+
+
+def test_a_rank_forked_from_a_callers_frames_is_placed_by_its_own(tmp_path):
+    """A server forked from a command inside its caller's function holds that function's
+    frames below its own, and so does each rank it forks: a hang's report named the
+    caller's frame (a test of test_cli's, in make test) as where a rank waited. A rank's
+    stack ends at its entry point: the silent rank is placed at the barrier it waits in."""
+    done = run_script(tmp_path, CALLERS_FRAMES_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"^rank 1: at \S*rank_fns\.py:\d+ in barrier_unless$", done.stdout, re.M), done.stdout
+    assert "a_cell_of_the_users" not in done.stdout and "script.py" not in done.stdout, done.stdout
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the fork server's fds from /proc")
@@ -475,15 +503,10 @@ def test_a_command_forks_the_ranks_server_from_itself_with_none_of_its_descripto
     the command's (SIGTERM ends it); it ends with the command. What the command printed
     before is printed once."""
     import json
-    import subprocess
-    import sys
 
     from helpers import wait_gone
 
-    (tmp_path / "script.py").write_text(FORKED_SERVER_SCRIPT)
-    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's block buffer
-    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
-                          env=buffered, timeout=240)
+    done = run_script(tmp_path, FORKED_SERVER_SCRIPT, unbuffered=False)  # stdout: a pipe's block buffer
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("printed before") == 1  # neither lost nor written again by the server
     seen = json.loads(done.stdout.splitlines()[-1])

@@ -15,6 +15,7 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func
 # a rank's own machinery: the pool's loop, the process start, the orphan watcher's thread
 _MACHINERY = (f"{os.sep}tpdp_verify{os.sep}ranks{os.sep}pool.py", f"{os.sep}multiprocessing{os.sep}",
               f"{os.sep}threading.py")
+_ENTRY = f"{os.sep}tpdp_verify{os.sep}ranks{os.sep}rank.py"  # its main: where a rank's own frames begin
 
 
 class Frame(NamedTuple):
@@ -29,7 +30,10 @@ class Frame(NamedTuple):
 
 def frames(dump: str) -> list[Frame]:
     """The frames of the thread that was running the call (faulthandler's current thread,
-    else its first), innermost first."""
+    else its first), innermost first, down to the rank's entry point (``rank.main``). The
+    frames below it are those of the process the rank was forked from: a command that
+    forked the ranks' server from itself was inside its caller's frames (a test, a
+    notebook cell) at that moment, and each rank still holds them; none is where it hung."""
     blocks = list(_BLOCK.finditer(dump))
     current = next((b for b in blocks if b["head"] == "Current thread"), blocks[0] if blocks else None)
     if current is None:
@@ -37,7 +41,10 @@ def frames(dump: str) -> list[Frame]:
     else:
         after = [b.start() for b in blocks if b.start() > current.start()]
         text = dump[current.end():after[0] if after else len(dump)]
-    return [Frame(m["file"], int(m["line"]), m["function"]) for m in _FRAME.finditer(text)]
+    stack = [Frame(m["file"], int(m["line"]), m["function"]) for m in _FRAME.finditer(text)]
+    entry = next((i for i, f in enumerate(stack) if f.function == "main" and os.path.abspath(f.file).endswith(_ENTRY)),
+                 None)
+    return stack if entry is None else stack[:entry + 1]
 
 
 def pending(dumps: dict[int, str]) -> str:
