@@ -457,10 +457,13 @@ def test_what_the_callers_objects_write_in_a_forked_server_goes_nowhere(tmp_path
     next read took the text for a message's length and waited for a gigabyte (make test's
     checkpoint tests, once test_cli's in-process gate had forked the server). Now each such
     descriptor stays open on /dev/null: the rank's answers arrive, and the caller's files
-    get nothing from the ranks."""
+    get nothing from the ranks. The root logger is a fresh interpreter's: the ranks'
+    records reach their stderr."""
     done = run_script(tmp_path, INHERITED_HANDLERS_SCRIPT, str(tmp_path))
     assert done.returncode == 0 and "answered" in done.stdout, done.stderr[-3000:]
     assert not any("rank" in f.read_text() for f in tmp_path.glob("caller-*.log"))
+    # the ranks' records where a spawned server's ranks write them: their stderr
+    assert done.stderr.count("rank 0 logs") == 3 and done.stderr.count("rank 1 logs") == 3, done.stderr
 
 
 CALLERS_FRAMES_SCRIPT = """

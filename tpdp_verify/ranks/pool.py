@@ -195,6 +195,7 @@ def _as_a_fresh_interpreter(keep: set[int]) -> None:
     that hold them (a logging handler's file, as pytest's on /dev/null) live on here and in
     each rank, and a closed number is the next one a rank opens, its connection to the
     parent among them: a warning logged through the root logger went into that connection."""
+    import logging
     import warnings
 
     for name in ("stdin", "stdout", "stderr"):
@@ -215,6 +216,10 @@ def _as_a_fresh_interpreter(keep: set[int]) -> None:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     sys.unraisablehook = sys.__unraisablehook__
     warnings.showwarning = getattr(warnings, "_showwarning_orig", warnings.showwarning)
+    root = logging.getLogger()  # the caller's configuration of it (pytest's handlers, a notebook's)
+    for handler in root.handlers[:]:  # writes nowhere here: a rank's records go to its stderr, as spawned
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
 
 
 def _server_died() -> str:
