@@ -78,6 +78,18 @@ def _own_cache(tmp_path_factory):
         os.environ["TPDP_VERIFY_CACHE"] = saved
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _ranks_server(_own_cache):
+    """Each worker's ranks fork from a server spawned now, as under the pytest plugin: else
+    the first test that calls cli.main in process forks the server from itself, inside that
+    test, and which test that is depends on how xdist hands out the files (twice a test
+    failed only in one order). What a server forked from its caller keeps of it is
+    tests/test_pool.py's, from scripts of their own."""
+    from tpdp_verify.ranks.pool import warm_up
+
+    warm_up()
+
+
 @pytest.fixture(scope="session")
 def smoke_against_the_release(tmp_path_factory):
     """SMOKE_AGAINST_THE_RELEASE run once a session, by whichever xdist worker asks first
